@@ -1,0 +1,660 @@
+"""A GPT in JAX/Flax with real mesh sharding, a KV cache, and FLOP counting.
+
+This file stands alone: copy it into another project and it still works.
+
+    python gpt.py            # builds the default tiny GPT on CPU, prints its size and a greedy sample
+
+Reading order, bottom-up like nanoGPT: dtypes -> Module (sharding plan, flops,
+components/gather) -> Linear, Norm -> rotary embeddings -> Attention -> MLP -> Block
+-> GPT -> KV-cache generation -> mesh helpers.
+
+One GPT covers several HuggingFace families. What makes each family different is a
+handful of fields (see FAMILIES at the bottom of the GPT section): norm kind, MLP kind,
+key/value heads, rotary fraction and base, biases, q/k norm, parallel residual, and tied
+or separate unembedding.
+
+Shapes are in the names: B batch, T query length, S key length (cache slots), D model
+width, H query heads, K key/value heads, E head width, F MLP width, V vocabulary, L layers.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, List, Optional, Tuple, Type
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def dtype_of(name: str) -> Any:
+    """The jnp dtype called `name`; a clear ValueError for anything else."""
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+# ----------------------------------------------------------------------------- Module
+
+
+class Module(nn.Module):
+    """Base of every part: dtypes, a sharding plan, FLOP counting, and the part list.
+
+    Parameters carry logical axis names ("embed", "heads", "mlp", "vocab", ...); the
+    plan (`sharding`) maps those names to the mesh axes "batch" and "shard". Layers never
+    name mesh axes themselves.
+    """
+
+    param_dtype: str = "float32"
+    activation_dtype: str = "float32"
+
+    @property
+    def sharding(self) -> List[Tuple[str, Optional[str]]]:
+        """Ordered (logical axis, mesh axis or None) pairs; no plan means replicated."""
+        return []
+
+    @property
+    def pdtype(self) -> Any:
+        return dtype_of(self.param_dtype)
+
+    @property
+    def adtype(self) -> Any:
+        return dtype_of(self.activation_dtype)
+
+    def children_modules(self) -> List["Module"]:
+        """The setup() children of a bound module, in the order they were made."""
+        self._try_setup()  # flax builds setup() children lazily; make them exist now
+        return [m for m in self._state.children.values() if isinstance(m, Module)]
+
+    def flops(self, seq: int) -> float:
+        """Forward + backward FLOPs for one sequence of `seq` tokens (module must be bound).
+
+        Dense matmul arithmetic only: a multiply-add is 2 FLOPs and backward costs twice
+        forward, so leaves report 3x their forward matmuls. Composite modules sum their
+        children; anything without a matmul contributes zero.
+        """
+        return sum(child.flops(seq) for child in self.children_modules())
+
+    @classmethod
+    def components(cls) -> List[Type[Any]]:
+        """The types of this module's constituent parts."""
+        return []
+
+    @classmethod
+    def gather(cls) -> List[Type[Any]]:
+        """Depth-first, de-duplicated list of every part type, this class first."""
+        found: List[Type[Any]] = []
+
+        def visit(t: Type[Any]) -> None:
+            if t in found:
+                return
+            found.append(t)
+            for part in t.components() if issubclass(t, Module) else []:
+                visit(part)
+
+        visit(cls)
+        return found
+
+
+def logical_param(module: nn.Module, name: str, shape: Tuple[int, ...], axes: Tuple[str, ...],
+                  init: Any, dtype: Any) -> jax.Array:
+    """A parameter whose dimensions carry logical axis names for the sharding plan."""
+    return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
+
+
+class Linear(Module):
+    """y = x @ W + b with W of shape [in, out] named by `axes` (logical, not mesh)."""
+
+    features: int = 0
+    axes: Tuple[str, str] = ("embed", "mlp")
+    use_bias: bool = False
+    init_std: float = 0.02
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        w = logical_param(self, "kernel", (x.shape[-1], self.features), self.axes,
+                          nn.initializers.normal(self.init_std), self.pdtype)
+        y = jnp.einsum("...i,io->...o", x.astype(self.adtype), w.astype(self.adtype))
+        if self.use_bias:
+            b = logical_param(self, "bias", (self.features,), self.axes[1:], nn.initializers.zeros,
+                              self.pdtype)
+            y = y + b.astype(self.adtype)
+        return y
+
+    def flops(self, seq: int) -> float:
+        n_in, n_out = self.variables["params"]["kernel"].shape
+        return 3 * 2 * seq * n_in * n_out
+
+
+class Norm(Module):
+    """LayerNorm (GPT-2, NeoX) or RMSNorm (Llama, Qwen), computed in float32 for stability."""
+
+    kind: str = "layernorm"
+    eps: float = 1e-5
+    use_bias: bool = True
+    axis_name: str = "embed"
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        width = x.shape[-1]
+        scale = logical_param(self, "scale", (width,), (self.axis_name,), nn.initializers.ones,
+                              self.pdtype)
+        h = x.astype(jnp.float32)
+        if self.kind == "layernorm":
+            h = h - h.mean(-1, keepdims=True)
+        elif self.kind != "rmsnorm":
+            raise ValueError(f"unknown norm {self.kind!r}; choose layernorm or rmsnorm")
+        h = h * jax.lax.rsqrt((h * h).mean(-1, keepdims=True) + self.eps) * scale.astype(jnp.float32)
+        if self.use_bias and self.kind == "layernorm":
+            bias = logical_param(self, "bias", (width,), (self.axis_name,), nn.initializers.zeros,
+                                 self.pdtype)
+            h = h + bias.astype(jnp.float32)
+        return h.astype(self.adtype)
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def rotary(x_BTHE: jax.Array, pos_BT: jax.Array, fraction: float, base: float) -> jax.Array:
+    """Rotary position embedding on the first `fraction` of each head ("rotate half" layout,
+    as Llama and GPT-NeoX store it). Angles are computed in float32."""
+    width = x_BTHE.shape[-1]
+    rot = int(width * fraction) // 2 * 2
+    inv_freq = 1.0 / (base ** (jnp.arange(0, rot, 2, dtype=jnp.float32) / rot))
+    angle_BTR = pos_BT[..., None].astype(jnp.float32) * inv_freq
+    angle_BTR = jnp.concatenate([angle_BTR, angle_BTR], -1)[:, :, None, :]  # one per head
+    cos, sin = jnp.cos(angle_BTR), jnp.sin(angle_BTR)
+    x_rot, x_pass = x_BTHE[..., :rot].astype(jnp.float32), x_BTHE[..., rot:]
+    half1, half2 = jnp.split(x_rot, 2, axis=-1)
+    rotated = x_rot * cos + jnp.concatenate([-half2, half1], -1) * sin
+    return jnp.concatenate([rotated.astype(x_BTHE.dtype), x_pass], -1)
+
+
+class Attention(Module):
+    """Causal self-attention with grouped key/value heads, optional q/k norm and rotary.
+
+    With a cache (k_BSKE, v_BSKE, slot), the new keys and values are written at `slot` and
+    the queries attend over all S cache slots; `allowed_BTS` says which ones they may see.
+    """
+
+    width: int = 128
+    n_head: int = 4
+    n_kv_head: int = 4
+    head_dim: int = 32
+    bias: bool = False
+    out_bias: bool = False
+    qk_norm: bool = False
+    norm_eps: float = 1e-6
+    rope: bool = False
+    rotary_fraction: float = 1.0
+    rope_theta: float = 10000.0
+    dropout: float = 0.0
+    residual_std: float = 0.02
+
+    def setup(self) -> None:
+        dt = dict(param_dtype=self.param_dtype, activation_dtype=self.activation_dtype)
+        H, K, E = self.n_head, self.n_kv_head, self.head_dim
+        self.q = Linear(features=H * E, axes=("embed", "heads"), use_bias=self.bias, **dt)
+        self.k = Linear(features=K * E, axes=("embed", "kv_heads"), use_bias=self.bias, **dt)
+        self.v = Linear(features=K * E, axes=("embed", "kv_heads"), use_bias=self.bias, **dt)
+        # GPT-2 scales the init of layers that write into the residual stream by 1/sqrt(2L)
+        self.o = Linear(features=self.width, axes=("heads", "embed"), use_bias=self.out_bias,
+                        init_std=self.residual_std, **dt)
+        if self.qk_norm:  # Qwen3: RMSNorm over each head's width, before rotary
+            norm = dict(kind="rmsnorm", eps=self.norm_eps, use_bias=False, axis_name="head_dim", **dt)
+            self.q_norm, self.k_norm = Norm(**norm), Norm(**norm)
+        self.drop = nn.Dropout(self.dropout)
+
+    def __call__(self, x_BTD: jax.Array, pos_BT: jax.Array, allowed_BTS: jax.Array,
+                 deterministic: bool = True, cache: Optional[Tuple[jax.Array, jax.Array, jax.Array]] = None):
+        B, T, D = x_BTD.shape
+        q_BTHE = self.q(x_BTD).reshape(B, T, self.n_head, self.head_dim)
+        k_BTKE = self.k(x_BTD).reshape(B, T, self.n_kv_head, self.head_dim)
+        v_BTKE = self.v(x_BTD).reshape(B, T, self.n_kv_head, self.head_dim)
+        if self.qk_norm:
+            q_BTHE, k_BTKE = self.q_norm(q_BTHE), self.k_norm(k_BTKE)
+        if self.rope:
+            q_BTHE = rotary(q_BTHE, pos_BT, self.rotary_fraction, self.rope_theta)
+            k_BTKE = rotary(k_BTKE, pos_BT, self.rotary_fraction, self.rope_theta)
+        new_cache = None
+        if cache is not None:
+            k_BSKE, v_BSKE, slot = cache
+            k_BTKE = jax.lax.dynamic_update_slice(k_BSKE, k_BTKE.astype(k_BSKE.dtype), (0, slot, 0, 0))
+            v_BTKE = jax.lax.dynamic_update_slice(v_BSKE, v_BTKE.astype(v_BSKE.dtype), (0, slot, 0, 0))
+            new_cache = (k_BTKE, v_BTKE)
+        # softmax runs in float32 inside dot_product_attention; fully masked (padding) rows
+        # come out finite and are never read by real tokens
+        y_BTHE = jax.nn.dot_product_attention(q_BTHE, k_BTKE.astype(q_BTHE.dtype),
+                                              v_BTKE.astype(q_BTHE.dtype), mask=allowed_BTS[:, None])
+        y_BTD = self.o(y_BTHE.reshape(B, T, self.n_head * self.head_dim))
+        return self.drop(y_BTD, deterministic=deterministic), new_cache
+
+    def flops(self, seq: int) -> float:
+        scores = 2 * 2 * seq * seq * self.n_head * self.head_dim  # q @ k^T and p @ v
+        return super().flops(seq) + 3 * scores
+
+    @classmethod
+    def components(cls) -> List[Type[Any]]:
+        return [Linear, Norm]
+
+
+class MLP(Module):
+    """GELU MLP (GPT-2: tanh approximation; NeoX: exact) or SwiGLU (Llama, Qwen)."""
+
+    width: int = 128
+    hidden: int = 512
+    kind: str = "gelu"
+    bias: bool = False
+    dropout: float = 0.0
+    residual_std: float = 0.02
+
+    def setup(self) -> None:
+        dt = dict(param_dtype=self.param_dtype, activation_dtype=self.activation_dtype)
+        if self.kind not in ("gelu", "gelu_exact", "swiglu"):
+            raise ValueError(f"unknown mlp {self.kind!r}; choose gelu, gelu_exact or swiglu")
+        self.up = Linear(features=self.hidden, axes=("embed", "mlp"), use_bias=self.bias, **dt)
+        if self.kind == "swiglu":
+            self.gate = Linear(features=self.hidden, axes=("embed", "mlp"), use_bias=self.bias, **dt)
+        self.down = Linear(features=self.width, axes=("mlp", "embed"), use_bias=self.bias,
+                           init_std=self.residual_std, **dt)
+        self.drop = nn.Dropout(self.dropout)
+
+    def __call__(self, x_BTD: jax.Array, deterministic: bool = True) -> jax.Array:
+        if self.kind == "swiglu":
+            h_BTF = jax.nn.silu(self.gate(x_BTD)) * self.up(x_BTD)
+        else:
+            h_BTF = jax.nn.gelu(self.up(x_BTD), approximate=self.kind == "gelu")
+        return self.drop(self.down(h_BTF), deterministic=deterministic)
+
+    @classmethod
+    def components(cls) -> List[Type[Any]]:
+        return [Linear]
+
+
+class Block(Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)).
+    With parallel_residual (GPT-NeoX): x + attn(norm1(x)) + mlp(norm2(x))."""
+
+    attn_kwargs: Any = None  # the Attention's fields
+    mlp_kwargs: Any = None  # the MLP's fields
+    norm: str = "layernorm"
+    norm_eps: float = 1e-5
+    norm_bias: bool = True
+    parallel_residual: bool = False
+
+    def setup(self) -> None:
+        dt = dict(param_dtype=self.param_dtype, activation_dtype=self.activation_dtype)
+        norm = dict(kind=self.norm, eps=self.norm_eps, use_bias=self.norm_bias, **dt)
+        self.ln_1, self.ln_2 = Norm(**norm), Norm(**norm)
+        self.attn = Attention(**self.attn_kwargs, **dt)
+        self.mlp = MLP(**self.mlp_kwargs, **dt)
+
+    def __call__(self, x_BTD, pos_BT, allowed_BTS, deterministic=True, cache=None):
+        a_BTD, cache = self.attn(self.ln_1(x_BTD), pos_BT, allowed_BTS, deterministic, cache)
+        if self.parallel_residual:
+            return x_BTD + a_BTD + self.mlp(self.ln_2(x_BTD), deterministic), cache
+        x_BTD = x_BTD + a_BTD
+        return x_BTD + self.mlp(self.ln_2(x_BTD), deterministic), cache
+
+    @classmethod
+    def components(cls) -> List[Type[Any]]:
+        return [Norm, Attention, MLP]
+
+
+# ----------------------------------------------------------------------------- GPT
+
+
+class GPT(Module):
+    """Decoder-only transformer. Defaults: a tiny byte-level GPT that runs on a laptop CPU."""
+
+    n_layers: int = 4
+    n_embd: int = 128
+    n_head: int = 4
+    block_size: int = 256
+    vocab_size: int = 320  # 256 bytes + end-of-text, rounded up to a multiple of 64
+    rope: bool = False
+    dropout: float = 0.0
+    bias: bool = True
+    # the family options: GPT-2 is the default; see FAMILIES below for the others
+    n_kv_head: Optional[int] = None  # None: as many as n_head (no grouping)
+    head_dim: Optional[int] = None  # None: n_embd // n_head
+    mlp_hidden: Optional[int] = None  # None: 4 * n_embd
+    mlp: str = "gelu"
+    norm: str = "layernorm"
+    norm_eps: float = 1e-5
+    qkv_bias: Optional[bool] = None  # None: as `bias` (Qwen2 has qkv bias and nothing else)
+    qk_norm: bool = False
+    rotary_fraction: float = 1.0
+    rope_theta: float = 10000.0
+    parallel_residual: bool = False
+    tie_embeddings: bool = True
+
+    @property
+    def sharding(self) -> List[Tuple[str, Optional[str]]]:
+        # Megatron-style tensor parallelism: q/k/v and MLP-up split their outputs over
+        # "shard", attention-out and MLP-down their inputs; the vocabulary is split too.
+        return [("batch", "batch"), ("vocab", "shard"), ("heads", "shard"), ("kv_heads", "shard"),
+                ("mlp", "shard"), ("embed", None), ("head_dim", None)]
+
+    def setup(self) -> None:
+        dt = dict(param_dtype=self.param_dtype, activation_dtype=self.activation_dtype)
+        init = nn.with_logical_partitioning(nn.initializers.normal(0.02), ("vocab", "embed"))
+        self.wte = nn.Embed(self.vocab_size, self.n_embd, embedding_init=init, param_dtype=self.pdtype,
+                            dtype=self.adtype)
+        if not self.rope:
+            pos_init = nn.with_logical_partitioning(nn.initializers.normal(0.02), (None, "embed"))
+            self.wpe = nn.Embed(self.block_size, self.n_embd, embedding_init=pos_init,
+                                param_dtype=self.pdtype)
+        self.drop = nn.Dropout(self.dropout)
+        residual_std = 0.02 / math.sqrt(2 * self.n_layers)
+        attn = dict(width=self.n_embd, n_head=self.n_head, n_kv_head=self.n_kv_head or self.n_head,
+                    head_dim=self.head_dim or self.n_embd // self.n_head,
+                    bias=self.bias if self.qkv_bias is None else self.qkv_bias, out_bias=self.bias,
+                    qk_norm=self.qk_norm, norm_eps=self.norm_eps, rope=self.rope,
+                    rotary_fraction=self.rotary_fraction, rope_theta=self.rope_theta,
+                    dropout=self.dropout, residual_std=residual_std)
+        mlp = dict(width=self.n_embd, hidden=self.mlp_hidden or 4 * self.n_embd, kind=self.mlp,
+                   bias=self.bias, dropout=self.dropout, residual_std=residual_std)
+        self.blocks = [Block(attn_kwargs=attn, mlp_kwargs=mlp, norm=self.norm, norm_eps=self.norm_eps,
+                             norm_bias=self.bias, parallel_residual=self.parallel_residual, **dt)
+                       for _ in range(self.n_layers)]
+        self.ln_f = Norm(kind=self.norm, eps=self.norm_eps, use_bias=self.bias, **dt)
+        if not self.tie_embeddings:
+            self.lm_head = Linear(features=self.vocab_size, axes=("embed", "vocab"), **dt)
+
+    # --- the seed's four stages: embed -> decode -> unembed -> loss
+
+    def embed(self, idx: jax.Array, deterministic: bool = False, positions: Optional[jax.Array] = None,
+              **kwargs: Any) -> jax.Array:
+        """Token (+ learned position) embeddings of idx [B, T] -> [B, T, D]."""
+        x_BTD = self.wte(idx).astype(self.adtype)
+        if not self.rope:
+            x_BTD = x_BTD + self.wpe(positions_for(idx, positions)).astype(self.adtype)
+        return self.drop(x_BTD, deterministic=deterministic)
+
+    def decode(self, x: jax.Array, padding_mask: Optional[jax.Array] = None, deterministic: bool = False,
+               positions: Optional[jax.Array] = None, cache: Optional[dict] = None, **kwargs: Any):
+        """Run the blocks over embeddings x [B, T, D]. Returns x, or (x, cache) with a cache.
+
+        padding_mask [B, T] is True at real tokens; padded keys are never attended to, so
+        padding cannot change real positions. With a cache (see init_cache), the T new
+        tokens go into slots cache["slot"] .. +T and attend to every earlier valid slot.
+        """
+        B, T, _ = x.shape
+        mask_BT = jnp.ones((B, T), bool) if padding_mask is None else padding_mask.astype(bool)
+        positions = positions_for(mask_BT, positions)
+        if cache is None:
+            allowed_BTS = causal_allowed(mask_BT, jnp.arange(T), jnp.arange(T))
+            layers = [None] * self.n_layers
+        else:
+            slot = cache["slot"]
+            valid_BS = jax.lax.dynamic_update_slice(cache["valid"], mask_BT, (0, slot))
+            S = valid_BS.shape[1]
+            allowed_BTS = causal_allowed(valid_BS, slot + jnp.arange(T), jnp.arange(S))
+            layers = [(k, v, slot) for k, v in cache["layers"]]
+        new_layers = []
+        for depth, (block, layer_cache) in enumerate(zip(self.blocks, layers)):
+            residual = x
+            x, kv = block(x, positions, allowed_BTS, deterministic, layer_cache)
+            self.measure(x, residual, depth, mask_BT)
+            new_layers.append(kv)
+        x = self.ln_f(x)
+        if cache is None:
+            return x
+        return x, {"layers": new_layers, "valid": valid_BS, "slot": slot + T}
+
+    def measure(self, x: jax.Array, residual: jax.Array, depth: int, padding_mask: Optional[jax.Array]) -> None:
+        """Record block `depth`'s relative update ||x - residual|| / ||residual||.
+
+        The norms are over the model width at each token; the value is their mean over
+        real (unpadded) tokens, sown as intermediates["residual_update"][depth]. It is
+        computed only when apply() is given mutable=["intermediates"].
+        """
+        if not self.is_mutable_collection("intermediates"):
+            return
+        x32, r32 = x.astype(jnp.float32), residual.astype(jnp.float32)
+        ratio_BT = jnp.linalg.norm(x32 - r32, axis=-1) / (jnp.linalg.norm(r32, axis=-1) + 1e-12)
+        weight_BT = jnp.ones_like(ratio_BT) if padding_mask is None else padding_mask.astype(jnp.float32)
+        value = (ratio_BT * weight_BT).sum() / jnp.maximum(weight_BT.sum(), 1.0)
+        self.sow("intermediates", "residual_update", value,
+                 init_fn=lambda: [None] * self.n_layers, reduce_fn=lambda acc, v: _put(acc, depth, v))
+
+    def unembed(self, x: jax.Array) -> jax.Array:
+        """Logits [B, T, V] in float32 (tied: the token embedding's transpose)."""
+        if self.tie_embeddings:
+            logits = self.wte.attend(x.astype(self.adtype))
+        else:
+            logits = self.lm_head(x)
+        return logits.astype(jnp.float32)
+
+    def loss(self, logits: jax.Array, targets: jax.Array) -> jax.Array:
+        """Mean cross-entropy over targets that are not -1."""
+        keep = targets != -1
+        nll = token_nll(logits, jnp.where(keep, targets, 0))
+        return (nll * keep).sum() / jnp.maximum(keep.sum(), 1)
+
+    def __call__(self, idx: jax.Array, targets: Optional[jax.Array] = None,
+                 padding_mask: Optional[jax.Array] = None, deterministic: bool = False,
+                 **kwargs: Any) -> Tuple[jax.Array, Optional[jax.Array]]:
+        """idx [B, T] -> (logits [B, T, V], mean loss over targets != -1, or None)."""
+        positions = positions_for(padding_mask if padding_mask is not None else idx, None)
+        x = self.embed(idx, deterministic, positions=positions)
+        x = self.decode(x, padding_mask, deterministic, positions=positions)
+        logits = self.unembed(x)
+        return logits, None if targets is None else self.loss(logits, targets)
+
+    def extend(self, idx: jax.Array, padding_mask: jax.Array, cache: dict) -> Tuple[jax.Array, dict]:
+        """Append idx [B, T] to a KV cache: (logits [B, T, V], updated cache). No dropout."""
+        count_B = cache["valid"].sum(-1)  # real tokens already in the cache
+        positions = count_B[:, None] + jnp.cumsum(padding_mask, -1) - 1
+        positions = jnp.maximum(positions, 0)
+        x = self.embed(idx, True, positions=positions)
+        x, cache = self.decode(x, padding_mask, True, positions=positions, cache=cache)
+        return self.unembed(x), cache
+
+    def init_cache(self, batch: int, length: int) -> dict:
+        """An empty KV cache with `length` slots per sequence."""
+        K = self.n_kv_head or self.n_head
+        E = self.head_dim or self.n_embd // self.n_head
+        zeros = lambda: jnp.zeros((batch, length, K, E), self.adtype)
+        return {"layers": [(zeros(), zeros()) for _ in range(self.n_layers)],
+                "valid": jnp.zeros((batch, length), bool), "slot": jnp.zeros((), jnp.int32)}
+
+    def flops(self, seq: int) -> float:
+        total = sum(block.flops(seq) for block in self.blocks)
+        if self.tie_embeddings:  # the unembedding matmul; the embedding lookup is a gather
+            total += 3 * 2 * seq * self.n_embd * self.vocab_size
+        else:
+            total += self.lm_head.flops(seq)
+        return total
+
+    @classmethod
+    def components(cls) -> List[Type[Any]]:
+        return [Block, Norm, Linear]
+
+
+# What makes each HuggingFace family different, as GPT fields (the loader adds sizes).
+FAMILIES = {
+    "gpt2": dict(rope=False, mlp="gelu", norm="layernorm", bias=True, tie_embeddings=True),
+    "llama": dict(rope=True, mlp="swiglu", norm="rmsnorm", bias=False),
+    "qwen2": dict(rope=True, mlp="swiglu", norm="rmsnorm", bias=False, qkv_bias=True),
+    "qwen3": dict(rope=True, mlp="swiglu", norm="rmsnorm", bias=False, qk_norm=True),
+    "gpt_neox": dict(rope=True, mlp="gelu_exact", norm="layernorm", bias=True,
+                     parallel_residual=True, tie_embeddings=False),
+}
+
+
+def _put(values: list, index: int, value: Any) -> list:
+    values = list(values)
+    values[index] = value
+    return values
+
+
+def positions_for(mask_or_idx: jax.Array, positions: Optional[jax.Array]) -> jax.Array:
+    """Positions count from the first real token: with left padding, cumsum(mask) - 1."""
+    if positions is not None:
+        return positions
+    if mask_or_idx.dtype == jnp.bool_:
+        return jnp.maximum(jnp.cumsum(mask_or_idx, -1) - 1, 0)
+    return jnp.broadcast_to(jnp.arange(mask_or_idx.shape[-1]), mask_or_idx.shape)
+
+
+def causal_allowed(valid_BS: jax.Array, query_slot_T: jax.Array, key_slot_S: jax.Array) -> jax.Array:
+    """allowed[b, t, s]: key s is a real token and not after query t."""
+    return valid_BS[:, None, :] & (key_slot_S[None, None, :] <= query_slot_T[None, :, None])
+
+
+def token_nll(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
+    """Per-token negative log-likelihood, float32, without a one-hot matrix."""
+    logits = logits_BTV.astype(jnp.float32)
+    picked = jnp.take_along_axis(logits, targets_BT[..., None], axis=-1)[..., 0]
+    return jax.nn.logsumexp(logits, axis=-1) - picked
+
+
+# ----------------------------------------------------------------------------- generation
+
+
+def sample_token(logits_BV: jax.Array, keys_B: Optional[jax.Array], temperature: float,
+                 top_p: float) -> jax.Array:
+    """Greedy when temperature is 0, else temperature + nucleus (top-p) sampling."""
+    if temperature == 0.0:
+        return jnp.argmax(logits_BV, -1).astype(jnp.int32)
+    logits = logits_BV.astype(jnp.float32) / temperature
+    if top_p < 1.0:  # keep the smallest set of tokens whose probability reaches top_p
+        sorted_BV = jnp.sort(logits, -1)[:, ::-1]
+        probs = jax.nn.softmax(sorted_BV, -1)
+        before = jnp.cumsum(probs, -1) - probs
+        kept = jnp.where(before < top_p, sorted_BV, jnp.inf).min(-1, keepdims=True)
+        logits = jnp.where(logits < kept, -jnp.inf, logits)
+    return jax.vmap(jax.random.categorical)(keys_B, logits).astype(jnp.int32)
+
+
+def generate(model: GPT, params: Any, prompt_BP: jax.Array, mask_BP: jax.Array, max_new_tokens: int,
+             eos_id: Optional[int] = None, temperature: float = 0.0, top_p: float = 1.0,
+             keys_B: Optional[jax.Array] = None) -> jax.Array:
+    """Autoregressive decoding with a KV cache, all inside one traced function.
+
+    prompt_BP is left-padded (mask_BP True at real tokens). One prefill call fills the
+    cache, then a while_loop adds one token per step until max_new_tokens or until every
+    row has produced eos_id. The cache holds exactly P + max_new_tokens slots. keys_B
+    (one PRNG key per sample) makes sampling independent of batching. Returns the new
+    tokens [B, N]; after a row's eos_id the rest of the row repeats eos_id.
+    """
+    B, P = prompt_BP.shape
+    N = max_new_tokens
+    cache = model.init_cache(B, P + N)
+    logits_BPV, cache = model.apply(params, prompt_BP, mask_BP, cache, method=GPT.extend)
+    stop = -1 if eos_id is None else eos_id
+
+    def pick(logits_BV, step):
+        keys = None if keys_B is None else jax.vmap(lambda k: jax.random.fold_in(k, step))(keys_B)
+        return sample_token(logits_BV, keys, temperature, top_p)
+
+    def cond(carry):
+        step, _, _, _, done_B = carry
+        return (step < N) & ~done_B.all()
+
+    def body(carry):
+        step, token_B, cache, out_BN, done_B = carry
+        out_BN = out_BN.at[:, step].set(token_B)
+        done_B = done_B | (token_B == stop)
+        logits_B1V, cache = model.apply(params, token_B[:, None], jnp.ones((B, 1), bool), cache,
+                                        method=GPT.extend)
+        next_B = jnp.where(done_B, stop, pick(logits_B1V[:, 0], step + 1))
+        return step + 1, next_B, cache, out_BN, done_B
+
+    first_B = pick(logits_BPV[:, -1], 0)
+    out_BN = jnp.full((B, N), stop if eos_id is not None else 0, jnp.int32)
+    carry = (jnp.zeros((), jnp.int32), first_B, cache, out_BN, jnp.zeros((B,), bool))
+    return jax.lax.while_loop(cond, body, carry)[3]
+
+
+# ----------------------------------------------------------------------------- meshes
+
+
+def make_mesh(batch: Optional[int] = None, shard: int = 1) -> Mesh:
+    """A ("batch", "shard") mesh over all devices; batch defaults to devices // shard.
+
+    Axis types are Auto: shardings of parameters and inputs are given, and XLA's
+    partitioner propagates them through the computation.
+    """
+    n = jax.device_count()
+    batch = n // shard if batch is None else batch
+    if batch < 1 or shard < 1 or batch * shard != n:
+        raise ValueError(f"mesh {batch}x{shard} needs {batch * shard} devices, but there are {n}")
+    return jax.make_mesh((batch, shard), ("batch", "shard"), axis_types=(AxisType.Auto,) * 2)
+
+
+def parse_mesh(text: str) -> Tuple[int, int]:
+    """'4x2' -> (4, 2)."""
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"mesh {text!r} is not BATCHxSHARD, e.g. 4x2")
+    return int(parts[0]), int(parts[1])
+
+
+def param_shardings(model: Module, mesh: Mesh, boxed_shapes: Any) -> Any:
+    """NamedShardings for a tree of logically partitioned parameter shapes.
+
+    A dimension that the mesh axis does not divide evenly (GPT-2's 50257-token vocabulary
+    over 2 shards) stays replicated rather than failing.
+    """
+    specs = nn.get_partition_spec(boxed_shapes)
+    mesh_specs = nn.logical_to_mesh(specs, model.sharding)
+    shapes = nn.meta.unbox(boxed_shapes)
+
+    def fit(spec: PartitionSpec, shape: Any) -> NamedSharding:
+        axes = [a if a is None or shape.shape[i] % mesh.shape[a] == 0 else None
+                for i, a in enumerate(tuple(spec) + (None,) * (len(shape.shape) - len(spec)))]
+        return NamedSharding(mesh, PartitionSpec(*axes))
+
+    return jax.tree.map(fit, mesh_specs, shapes, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def abstract_params(model: Module, seq: int = 8) -> Any:
+    """Parameter shapes (with logical axis names) without allocating anything."""
+    idx = jnp.zeros((1, seq), jnp.int32)
+    return jax.eval_shape(lambda: model.init(jax.random.key(0), idx, deterministic=True))
+
+
+def init_params(model: Module, mesh: Mesh, seed: int = 0) -> Any:
+    """Initialize parameters directly into their mesh shardings (never whole on one device)."""
+    boxed = abstract_params(model)
+    shardings = param_shardings(model, mesh, boxed)
+    idx = jnp.zeros((1, 8), jnp.int32)
+    init = lambda key: nn.meta.unbox(model.init(key, idx, deterministic=True))
+    return jax.jit(init, out_shardings=shardings)(jax.random.key(seed))
+
+
+def place_params(model: Module, mesh: Mesh, host_params: Any) -> Any:
+    """Put a host (numpy) parameter tree into the model's mesh shardings, shard by shard.
+
+    Works with several processes: each one copies only the slices its devices hold.
+    """
+    shardings = param_shardings(model, mesh, abstract_params(model))
+    dtype = model.pdtype
+
+    def put(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
+        return jax.make_array_from_callback(array.shape, sharding,
+                                            lambda index: np.asarray(array[index]).astype(dtype))
+
+    return jax.tree.map(put, host_params, shardings)
+
+
+def count_params(params: Any) -> int:
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+
+
+if __name__ == "__main__":
+    model = GPT()
+    mesh = make_mesh()
+    params = init_params(model, mesh, seed=0)
+    print(f"GPT: {count_params(params) / 1e6:.2f}M parameters on mesh {dict(mesh.shape)}")
+    print(f"flops per {model.block_size}-token sequence (fwd+bwd): "
+          f"{model.bind(params).flops(model.block_size):.3e}")
+    prompt = jnp.array([list(b"Hello")], jnp.int32)
+    new = jax.jit(lambda p, x: generate(model, p, x, jnp.ones_like(x, bool), 16))(params, prompt)
+    print("greedy continuation of 'Hello' (random weights):", np.asarray(new)[0].tolist())
