@@ -27,15 +27,18 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 import gpt
 from jobs import (ByteTokenizer, ExecutionSpec, HFTokenizer, Node, UsageError, builtin_items,
-                  is_eval_item, job, load_checkpoint, load_tokenizer, parse_options, read_config,
-                  save_checkpoint)
+                  flatten, is_eval_item, job, load_checkpoint, load_tokenizer, model_config,
+                  parse_options, unbox_shapes)
 
 
 @dataclasses.dataclass
@@ -306,7 +309,9 @@ class PerplexityEvaluation(DatasetEvaluation):
 
     def requests(self, inference, encoding):
         for sample in self.dataset:
-            tokens = encoding.encode(sample["text"])
+            # the prefix token is added once here, not also by the tokenizer (lm-eval 0.4
+            # adds Llama's BOS twice in rolling windows: its issue #3333)
+            tokens = encoding.encode(sample["text"], add_special_tokens=False)
             nbytes = len(sample["text"].encode("utf-8"))
             yield rolling_requests(tokens, inference.prefix_id, inference.max_len), nbytes
 
@@ -684,11 +689,20 @@ class Evaluator(InferenceJob):
     def from_trainer(cls, trainer: Any) -> "Evaluator":
         """An evaluator over a trainer's live model and parameters, on the trainer's mesh,
         running the trainer's declared EVALUATION."""
+        evaluations = [builtin_evaluation(name) for name in trainer.EVALUATION]
+        return cls.from_parts(trainer.spec, trainer.model, trainer.variables, trainer.tokenizer,
+                              trainer.mesh, evaluations, EvaluatorConfig(quiet=True, seed=trainer.spec.seed))
+
+    @classmethod
+    def from_parts(cls, spec: ExecutionSpec, model: gpt.GPT, variables: Any, tokenizer: Any,
+                   mesh: jax.sharding.Mesh, evaluations: List[Evaluation],
+                   config: Optional[EvaluatorConfig] = None) -> "Evaluator":
+        """An evaluator over parameters already in memory (nothing is loaded)."""
         self = cls.__new__(cls)
-        self.spec, self.base = trainer.spec, None
-        self.args = EvaluatorConfig(quiet=True, seed=trainer.spec.seed)
-        self.attach(trainer.model, trainer.variables, trainer.tokenizer, trainer.mesh)
-        self.evaluations = [builtin_evaluation(name) for name in trainer.EVALUATION]
+        self.spec, self.base = spec, None
+        self.args = config or spec.config or EvaluatorConfig()
+        self.attach(model, variables, tokenizer, mesh)
+        self.evaluations = evaluations
         return self
 
     def build_evaluations(self) -> List[Evaluation]:
@@ -750,7 +764,7 @@ class Evaluator(InferenceJob):
             "stderr": {r.name: r.stderr for r in results},
             "kind": {r.name: r.kind for r in results},
             "metrics": {r.name: r.metrics for r in results},
-            "model": gpt_fields(self.model), "checkpoint": self.args.ckpt,
+            "model": model_config(self.model), "checkpoint": self.args.ckpt,
             "mesh": dict(self.mesh.shape), "processes": jax.process_count(),
             "config": dataclasses.asdict(self.args), "seconds": round(seconds, 3),
             "versions": {"jax": jax.__version__, "python": sys.version.split()[0]},
@@ -773,11 +787,6 @@ def table(results: List[Result]) -> str:
     for r in results:
         lines.append(f"{r.name:16s} {r.kind:4s} {len(r.scores):6d} {r.value:10.4f} {r.stderr:9.4f}")
     return "\n".join(lines)
-
-
-def gpt_fields(model: gpt.GPT) -> Dict[str, Any]:
-    return {f.name: getattr(model, f.name) for f in dataclasses.fields(model)
-            if f.name not in ("parent", "name")}
 
 
 @job("gpt/evaluate")
@@ -811,9 +820,408 @@ class BackboneEvaluate(Evaluator):
 # ----------------------------------------------------------------------------- HuggingFace
 
 
-def load_backbone(path: str, dtype: str = "float32") -> Tuple[gpt.GPT, Any]:
-    """Read the declared HuggingFace architecture and its host parameter tree."""
-    raise UsageError(f"{path}: HuggingFace checkpoints are not supported yet")
+# Supported model types: gpt2, llama, qwen2, qwen3, gpt_neox. Weights come only from
+# *.safetensors files, read one tensor at a time with safetensors' numpy reader: nothing is
+# ever unpickled and no remote code runs. What makes each family different is gpt.FAMILIES;
+# this section only maps names and layouts onto it.
+
+SUPPORTED = ("gpt2", "llama", "qwen2", "qwen3", "gpt_neox")
+# Buffers some checkpoints carry that are not parameters (causal masks, rotary tables)
+IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".attention.masked_bias",
+                    "rotary_emb.inv_freq")
+FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")  # fp8/int: quantized, refused
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def read_hf_config(path: str):
+    """transformers' config object for `path`, after checking model_type ourselves.
+
+    Going through AutoConfig normalizes old and new spellings (top-level rope_theta /
+    rotary_pct vs transformers 5's rope_parameters). model_type is checked first from the
+    raw JSON so that an unknown type gets our message, not transformers' one.
+    """
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isdir(path):
+        raise UsageError(f"{path}: not a directory")
+    if not os.path.isfile(config_file):
+        raise UsageError(f"{path}: no config.json, so not a HuggingFace model directory")
+    try:
+        with open(config_file) as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{config_file}: unreadable JSON ({e})") from None
+    model_type = raw.get("model_type") if isinstance(raw, dict) else None
+    if model_type not in SUPPORTED:
+        raise UsageError(f"{config_file}: model_type {model_type!r} is not supported; "
+                            f"supported: {', '.join(SUPPORTED)}")
+    from transformers import AutoConfig  # lazily: native checkpoints never pay for it
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except Exception as e:  # transformers raises many kinds; the user needs one line
+        raise UsageError(f"{config_file}: transformers cannot read it "
+                            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+def rope_settings(config) -> tuple:
+    """(theta, rotary fraction) of a rotary model; only plain (default) rotary is supported."""
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    scaling = getattr(config, "rope_scaling", None)  # older spelling, if a config still has it
+    if isinstance(scaling, dict):
+        rope = {**scaling, **rope}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in (None, "default"):
+        raise UsageError(f"{config.model_type}: rope scaling {rope_type!r} is not supported "
+                            "(only default rotary embeddings)")
+    theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    # Only GPT-NeoX rotates part of each head; Llama/Qwen rotary use the full head width
+    # in transformers even if a partial_rotary_factor is present.
+    fraction = rope.get("partial_rotary_factor", 1.0) if config.model_type == "gpt_neox" else 1.0
+    return float(theta), float(fraction)
+
+
+def _mlp_kind(config, name: str, value: str) -> str:
+    kinds = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu": "gelu_exact",
+             "silu": "swiglu", "swish": "swiglu"}
+    gated = config.model_type in ("llama", "qwen2", "qwen3")
+    kind = kinds.get(value)
+    if kind is None or (kind == "swiglu") != gated:
+        raise UsageError(f"{config.model_type}: {name} {value!r} is not supported for this model type")
+    return kind
+
+
+def hf_fields(config) -> dict:
+    """GPT constructor fields (sizes + family options) for a transformers config.
+
+    Biases: GPT's `bias` switches attention-out, MLP and LayerNorm biases together and
+    `qkv_bias` the q/k/v ones. A family that has only some of the `bias` group (Llama with
+    attention_bias but not mlp_bias, NeoX without attention_bias) gets bias=True and the
+    absent ones are loaded as zeros, which computes exactly the same function.
+    """
+    t = config.model_type
+    if t == "gpt2":
+        if not config.scale_attn_weights or config.scale_attn_by_inverse_layer_idx:
+            raise UsageError("gpt2: only scale_attn_weights=True and "
+                                "scale_attn_by_inverse_layer_idx=False are supported")
+        if getattr(config, "add_cross_attention", False):
+            raise UsageError("gpt2: add_cross_attention is not supported")
+        return dict(gpt.FAMILIES["gpt2"], n_layers=config.n_layer, n_embd=config.n_embd,
+                    n_head=config.n_head, block_size=config.n_positions, vocab_size=config.vocab_size,
+                    mlp_hidden=config.n_inner or 4 * config.n_embd,
+                    mlp=_mlp_kind(config, "activation_function", config.activation_function),
+                    norm_eps=config.layer_norm_epsilon, tie_embeddings=bool(config.tie_word_embeddings))
+    theta, fraction = rope_settings(config)
+    heads = config.num_attention_heads
+    fields = dict(gpt.FAMILIES[t], n_layers=config.num_hidden_layers, n_embd=config.hidden_size,
+                  n_head=heads, block_size=config.max_position_embeddings,
+                  vocab_size=config.vocab_size, mlp_hidden=config.intermediate_size,
+                  mlp=_mlp_kind(config, "hidden_act", config.hidden_act),
+                  rope_theta=theta, rotary_fraction=fraction,
+                  tie_embeddings=bool(config.tie_word_embeddings))
+    if t == "gpt_neox":
+        if config.hidden_size % heads:
+            raise UsageError(f"gpt_neox: hidden_size {config.hidden_size} is not a multiple of "
+                                f"num_attention_heads {heads}")
+        return dict(fields, n_kv_head=heads, head_dim=config.hidden_size // heads,
+                    norm_eps=config.layer_norm_eps, qkv_bias=bool(config.attention_bias),
+                    parallel_residual=bool(config.use_parallel_residual))
+    # llama, qwen2, qwen3
+    layer_types = getattr(config, "layer_types", None) or []
+    if getattr(config, "use_sliding_window", False) or any(k != "full_attention" for k in layer_types):
+        raise UsageError(f"{t}: sliding-window attention is not supported")
+    attention_bias = bool(getattr(config, "attention_bias", False))
+    mlp_bias = bool(getattr(config, "mlp_bias", False))
+    qkv_bias = True if t == "qwen2" else attention_bias  # Qwen2 always has q/k/v biases
+    out_bias = attention_bias if t != "qwen2" else False
+    return dict(fields, n_kv_head=config.num_key_value_heads,
+                head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+                norm_eps=config.rms_norm_eps, qkv_bias=qkv_bias, bias=out_bias or mlp_bias)
+
+
+class Checkpoint:
+    """The tensors of a directory's safetensors file(s), read lazily one at a time.
+
+    `get` checks the shape and names the tensor in any error; `unused` lists the tensors
+    that were never read, so a config/file mismatch (say, more layers in the file) shows up.
+    """
+
+    def __init__(self, path: str, prefix: str = "", dtype: str = "float32"):
+        self.path = path
+        self.dtype = np.dtype(gpt.dtype_of(dtype))
+        self.where = self._locate(path)  # tensor name -> file
+        # transformers saves the whole *ForCausalLM ("model.layers.0...", "transformer.h.0...");
+        # Hub GPT-2 and bare base models have no prefix. Decide once, so errors name the
+        # tensor as this file would spell it.
+        self.prefix = prefix if any(n.startswith(prefix) for n in self.where) else ""
+        self.read = set()
+
+    @staticmethod
+    def _locate(path: str) -> dict:
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            try:
+                with open(index) as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise UsageError(f"{index}: no readable weight_map ({e})") from None
+            return {name: os.path.join(path, file) for name, file in weight_map.items()}
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        if not files:
+            if any(f.endswith(PICKLE_SUFFIXES) for f in os.listdir(path)):
+                raise UsageError(f"{path}: only pickle weights (*.bin/*.pt); convert them to "
+                                    "safetensors (model.safetensors), pickle is never loaded")
+            raise UsageError(f"{path}: no model.safetensors")
+        where = {}
+        for file in files:  # model.safetensors, or shards without an index
+            full = os.path.join(path, file)
+            try:
+                with safe_open(full, framework="numpy") as f:
+                    where.update({name: full for name in f.keys()})
+            except Exception as e:
+                raise UsageError(f"{full}: unreadable safetensors file ({e})") from None
+        return where
+
+    def name(self, name: str, prefixed: bool = True) -> str:
+        """The stored name of a base-model tensor (prefixed) or of lm_head (not prefixed)."""
+        return self.prefix + name if prefixed else name
+
+    def has(self, name: str, prefixed: bool = True) -> bool:
+        return self.name(name, prefixed) in self.where
+
+    def get(self, name: str, shape: tuple, prefixed: bool = True) -> np.ndarray:
+        stored = self.name(name, prefixed)
+        if stored not in self.where:
+            raise UsageError(f"{self.path}: tensor {stored!r} is missing")
+        file = self.where[stored]
+        try:
+            with safe_open(file, framework="numpy") as f:
+                array = f.get_tensor(stored)
+        except Exception as e:
+            raise UsageError(f"{file}: cannot read tensor {stored!r} ({e})") from None
+        if array.dtype.name not in FLOAT_DTYPES:
+            raise UsageError(f"{file}: tensor {stored!r} has dtype {array.dtype}; only float "
+                                "weights are supported (no quantized checkpoints)")
+        if tuple(array.shape) != tuple(shape):
+            raise UsageError(f"{file}: tensor {stored!r} has shape {list(array.shape)}, "
+                                f"config.json implies {list(shape)}")
+        self.read.add(stored)
+        return array.astype(self.dtype)
+
+    def zeros(self, shape: tuple) -> np.ndarray:
+        return np.zeros(shape, self.dtype)
+
+    def unused(self) -> list:
+        return sorted(n for n in self.where if n not in self.read and not n.endswith(IGNORED_SUFFIXES))
+
+
+def _gpt2_params(ck: Checkpoint, m: gpt.GPT) -> dict:
+    """GPT-2: Conv1D weights are already [in, out]; c_attn holds q|k|v side by side."""
+    D, F, V = m.n_embd, m.mlp_hidden, m.vocab_size
+    norm = lambda name: {"scale": ck.get(name + ".weight", (D,)), "bias": ck.get(name + ".bias", (D,))}
+    dense = lambda name, n_in, n_out: {"kernel": ck.get(name + ".weight", (n_in, n_out)),
+                                       "bias": ck.get(name + ".bias", (n_out,))}
+    p = {"wte": {"embedding": ck.get("wte.weight", (V, D))},
+         "wpe": {"embedding": ck.get("wpe.weight", (m.block_size, D))}}
+    for i in range(m.n_layers):
+        h = f"h.{i}."
+        qkv = dense(h + "attn.c_attn", D, 3 * D)
+        q, k, v = ({"kernel": w, "bias": b} for w, b in zip(np.split(qkv["kernel"], 3, axis=1),
+                                                            np.split(qkv["bias"], 3)))
+        p[f"blocks_{i}"] = {
+            "ln_1": norm(h + "ln_1"), "ln_2": norm(h + "ln_2"),
+            "attn": {"q": q, "k": k, "v": v, "o": dense(h + "attn.c_proj", D, D)},
+            "mlp": {"up": dense(h + "mlp.c_fc", D, F), "down": dense(h + "mlp.c_proj", F, D)}}
+    p["ln_f"] = norm("ln_f")
+    if not m.tie_embeddings:
+        p["lm_head"] = {"kernel": ck.get("lm_head.weight", (V, D), prefixed=False).T}
+    return p
+
+
+def _linear(ck: Checkpoint, name: str, n_in: int, n_out: int, bias: bool, want_bias: bool) -> dict:
+    """A torch nn.Linear ([out, in]) as our [in, out] kernel; a bias we need but the family
+    lacks is zero."""
+    p = {"kernel": ck.get(name + ".weight", (n_out, n_in)).T}
+    if want_bias:
+        p["bias"] = ck.get(name + ".bias", (n_out,)) if bias else ck.zeros((n_out,))
+    return p
+
+
+def _llama_params(ck: Checkpoint, m: gpt.GPT, config) -> dict:
+    """Llama / Qwen2 / Qwen3: Linear weights are [out, in]; RMSNorm has only a scale."""
+    D, F, V, H, K, E = m.n_embd, m.mlp_hidden, m.vocab_size, m.n_head, m.n_kv_head, m.head_dim
+    t = config.model_type
+    attention_bias = bool(getattr(config, "attention_bias", False)) and t != "qwen2"
+    mlp_bias = bool(getattr(config, "mlp_bias", False))
+    qkv = m.qkv_bias
+    p = {"wte": {"embedding": ck.get("embed_tokens.weight", (V, D))}}
+    for i in range(m.n_layers):
+        h = f"layers.{i}."
+        attn = {"q": _linear(ck, h + "self_attn.q_proj", D, H * E, qkv, qkv),
+                "k": _linear(ck, h + "self_attn.k_proj", D, K * E, qkv, qkv),
+                "v": _linear(ck, h + "self_attn.v_proj", D, K * E, qkv, qkv),
+                "o": _linear(ck, h + "self_attn.o_proj", H * E, D, attention_bias, m.bias)}
+        if m.qk_norm:
+            attn["q_norm"] = {"scale": ck.get(h + "self_attn.q_norm.weight", (E,))}
+            attn["k_norm"] = {"scale": ck.get(h + "self_attn.k_norm.weight", (E,))}
+        p[f"blocks_{i}"] = {
+            "ln_1": {"scale": ck.get(h + "input_layernorm.weight", (D,))},
+            "ln_2": {"scale": ck.get(h + "post_attention_layernorm.weight", (D,))},
+            "attn": attn,
+            "mlp": {"gate": _linear(ck, h + "mlp.gate_proj", D, F, mlp_bias, m.bias),
+                    "up": _linear(ck, h + "mlp.up_proj", D, F, mlp_bias, m.bias),
+                    "down": _linear(ck, h + "mlp.down_proj", F, D, mlp_bias, m.bias)}}
+    p["ln_f"] = {"scale": ck.get("norm.weight", (D,))}
+    if not m.tie_embeddings:
+        p["lm_head"] = {"kernel": ck.get("lm_head.weight", (V, D), prefixed=False).T}
+    return p
+
+
+def _neox_params(ck: Checkpoint, m: gpt.GPT) -> dict:
+    """GPT-NeoX: query_key_value's outputs are laid out per head as [H, 3, E] (not q|k|v)."""
+    D, F, V, H, E = m.n_embd, m.mlp_hidden, m.vocab_size, m.n_head, m.head_dim
+    norm = lambda name: {"scale": ck.get(name + ".weight", (D,)), "bias": ck.get(name + ".bias", (D,))}
+    p = {"wte": {"embedding": ck.get("embed_in.weight", (V, D))}}
+    for i in range(m.n_layers):
+        h = f"layers.{i}."
+        w = ck.get(h + "attention.query_key_value.weight", (3 * D, D)).reshape(H, 3, E, D)
+        if m.qkv_bias:
+            b = ck.get(h + "attention.query_key_value.bias", (3 * D,)).reshape(H, 3, E)
+        attn = {}
+        for j, name in enumerate("qkv"):
+            attn[name] = {"kernel": w[:, j].reshape(H * E, D).T}
+            if m.qkv_bias:
+                attn[name]["bias"] = b[:, j].reshape(H * E)
+        attn["o"] = _linear(ck, h + "attention.dense", D, D, m.qkv_bias, True)  # attention_bias
+        p[f"blocks_{i}"] = {
+            "ln_1": norm(h + "input_layernorm"), "ln_2": norm(h + "post_attention_layernorm"),
+            "attn": attn,
+            "mlp": {"up": _linear(ck, h + "mlp.dense_h_to_4h", D, F, True, True),
+                    "down": _linear(ck, h + "mlp.dense_4h_to_h", F, D, True, True)}}
+    p["ln_f"] = norm("final_layer_norm")
+    if not m.tie_embeddings:  # Hub files call it embed_out; transformers 5 may write lm_head
+        name = "embed_out.weight" if ck.has("embed_out.weight", prefixed=False) else "lm_head.weight"
+        p["lm_head"] = {"kernel": ck.get(name, (V, D), prefixed=False).T}
+    return p
+
+
+def _check_tree(model: gpt.GPT, params: dict, path: str) -> None:
+    """The host tree must have exactly the paths and shapes GPT.init would make."""
+    expected = flatten(unbox_shapes(model))
+    got = {name: tuple(np.shape(v)) for name, v in flatten(params).items()}
+    if got.keys() != expected.keys():
+        extra, missing = sorted(got.keys() - expected.keys()), sorted(expected.keys() - got.keys())
+        raise UsageError(f"{path}: parameter tree mismatch (missing {missing[:3]}, extra {extra[:3]})")
+    for name, shape in got.items():
+        if shape != tuple(expected[name]):
+            raise UsageError(f"{path}: parameter {name} has shape {list(shape)}, GPT expects "
+                             f"{list(expected[name])}")
+
+
+def load_backbone(path: str, dtype: str = "float32"):
+    """(gpt.GPT, {"params": numpy tree}) for a HuggingFace directory, in `dtype`.
+
+    The host tree is plain numpy in `dtype` (bfloat16 via ml_dtypes); put it on a mesh with
+    gpt.place_params(model, mesh, host), which copies each device's slice only.
+    """
+    path = os.fspath(path)
+    if dtype not in gpt.DTYPES:
+        raise UsageError(f"dtype {dtype!r} is not supported; choose one of {', '.join(gpt.DTYPES)}")
+    config = read_hf_config(path)
+    fields = hf_fields(config)
+    model = gpt.GPT(**fields, param_dtype=dtype, activation_dtype=dtype)
+    # GPT's optional fields are resolved here so the readers can use them directly
+    model = model.clone(n_kv_head=model.n_kv_head or model.n_head,
+                        head_dim=model.head_dim or model.n_embd // model.n_head,
+                        qkv_bias=model.bias if model.qkv_bias is None else model.qkv_bias)
+    t = config.model_type
+    prefix = {"gpt2": "transformer.", "gpt_neox": "gpt_neox."}.get(t, "model.")
+    ck = Checkpoint(path, prefix, dtype)
+    if t == "gpt2":
+        params = _gpt2_params(ck, model)
+    elif t == "gpt_neox":
+        params = _neox_params(ck, model)
+    else:
+        params = _llama_params(ck, model, config)
+    unused = ck.unused()
+    if unused and not (model.tie_embeddings and unused == ["lm_head.weight"]):  # a tied copy is fine
+        raise UsageError(f"{path}: {len(unused)} tensor(s) that config.json does not account for, "
+                            f"e.g. {unused[0]!r}")
+    _check_tree(model, params, path)
+    return model, {"params": params}
+
+
+def _is_gpt2_layout(m: gpt.GPT) -> bool:
+    head_dim = m.head_dim or m.n_embd // m.n_head
+    return (not m.rope and m.mlp in ("gelu", "gelu_exact") and m.norm == "layernorm" and m.bias
+            and m.qkv_bias in (None, True) and not m.qk_norm and not m.parallel_residual
+            and (m.n_kv_head or m.n_head) == m.n_head and head_dim * m.n_head == m.n_embd)
+
+
+def export_gpt2(model: gpt.GPT, variables, path: str, tokenizer_dir=None) -> None:
+    """Write a GPT-2-layout GPT as a HuggingFace GPT-2 directory (config.json, model.safetensors,
+    and the tokenizer of `tokenizer_dir` if given) that GPT2LMHeadModel loads as is.
+
+    Weights are written in float32 with transformers' own names ("transformer." prefix,
+    Conv1D [in, out] kernels, q|k|v concatenated into c_attn; no lm_head when tied).
+    `variables` may be {"params": tree} or the tree itself, on host or on a mesh.
+    """
+    from transformers import AutoTokenizer, GPT2Config
+    if not _is_gpt2_layout(model):
+        raise UsageError("export_gpt2: the model is not GPT-2 layout (needs rope=False, gelu MLP, "
+                            "layernorm, biases, no q/k norm, no grouped heads, sequential residual)")
+    params = variables.get("params", variables)
+    params = jax.tree.map(lambda x: np.asarray(jax.device_get(x), np.float32),
+                              nn.meta.unbox(params))
+    tensors = {"wte.weight": params["wte"]["embedding"], "wpe.weight": params["wpe"]["embedding"],
+               "ln_f.weight": params["ln_f"]["scale"], "ln_f.bias": params["ln_f"]["bias"]}
+    for i in range(model.n_layers):
+        b, h = params[f"blocks_{i}"], f"h.{i}."
+        attn = b["attn"]
+        tensors.update({
+            h + "ln_1.weight": b["ln_1"]["scale"], h + "ln_1.bias": b["ln_1"]["bias"],
+            h + "ln_2.weight": b["ln_2"]["scale"], h + "ln_2.bias": b["ln_2"]["bias"],
+            h + "attn.c_attn.weight": np.concatenate([attn[n]["kernel"] for n in "qkv"], axis=1),
+            h + "attn.c_attn.bias": np.concatenate([attn[n]["bias"] for n in "qkv"]),
+            h + "attn.c_proj.weight": attn["o"]["kernel"], h + "attn.c_proj.bias": attn["o"]["bias"],
+            h + "mlp.c_fc.weight": b["mlp"]["up"]["kernel"], h + "mlp.c_fc.bias": b["mlp"]["up"]["bias"],
+            h + "mlp.c_proj.weight": b["mlp"]["down"]["kernel"],
+            h + "mlp.c_proj.bias": b["mlp"]["down"]["bias"]})
+    tensors = {"transformer." + k: np.ascontiguousarray(v) for k, v in tensors.items()}
+    if not model.tie_embeddings:
+        tensors["lm_head.weight"] = np.ascontiguousarray(params["lm_head"]["kernel"].T)
+
+    tokenizer = None
+    if tokenizer_dir is not None:
+        tokenizer = AutoTokenizer.from_pretrained(os.fspath(tokenizer_dir), local_files_only=True,
+                                                  trust_remote_code=False)
+        if len(tokenizer) > model.vocab_size:
+            raise UsageError(f"export_gpt2: tokenizer in {tokenizer_dir} has {len(tokenizer)} tokens, "
+                                f"more than the model's vocab_size {model.vocab_size}")
+    eos = tokenizer.eos_token_id if tokenizer is not None else None
+    bos = tokenizer.bos_token_id if tokenizer is not None else None
+    config = GPT2Config(
+        vocab_size=model.vocab_size, n_positions=model.block_size, n_embd=model.n_embd,
+        n_layer=model.n_layers, n_head=model.n_head, n_inner=model.mlp_hidden or 4 * model.n_embd,
+        activation_function="gelu_new" if model.mlp == "gelu" else "gelu",
+        layer_norm_epsilon=model.norm_eps, tie_word_embeddings=model.tie_embeddings,
+        resid_pdrop=model.dropout, embd_pdrop=model.dropout, attn_pdrop=model.dropout,
+        bos_token_id=bos if bos is not None else eos, eos_token_id=eos,
+        architectures=["GPT2LMHeadModel"], dtype="float32")
+    os.makedirs(path, exist_ok=True)
+    config.save_pretrained(path)
+    # metadata format=pt: transformers expects it in files it did not write itself
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    if tokenizer is not None:  # save_pretrained keeps the tokenizer's class explicit
+        tokenizer.save_pretrained(path)
+        # transformers 5 writes the loading options is_local/local_files_only into
+        # tokenizer_config.json; they describe this machine, not the tokenizer
+        config_file = os.path.join(path, "tokenizer_config.json")
+        if os.path.isfile(config_file):
+            with open(config_file) as f:
+                tok_config = json.load(f)
+            for key in ("is_local", "local_files_only"):
+                tok_config.pop(key, None)
+            with open(config_file, "w") as f:
+                json.dump(tok_config, f, indent=2)
 
 
 # ----------------------------------------------------------------------------- command line

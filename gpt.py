@@ -121,11 +121,11 @@ class Linear(Module):
         if self.use_bias:
             b = logical_param(self, "bias", (self.features,), self.axes[1:], nn.initializers.zeros,
                               self.pdtype)
-            y = y + b.astype(self.adtype)
+            y = y + jax.lax.broadcast_to_rank(b.astype(self.adtype), y.ndim)
         return y
 
     def flops(self, seq: int) -> float:
-        n_in, n_out = self.variables["params"]["kernel"].shape
+        n_in, n_out = nn.meta.unbox(self.variables["params"]["kernel"]).shape  # init() boxes it
         return 3 * 2 * seq * n_in * n_out
 
 
@@ -147,11 +147,12 @@ class Norm(Module):
             h = h - h.mean(-1, keepdims=True)
         elif self.kind != "rmsnorm":
             raise ValueError(f"unknown norm {self.kind!r}; choose layernorm or rmsnorm")
-        h = h * jax.lax.rsqrt((h * h).mean(-1, keepdims=True) + self.eps) * scale.astype(jnp.float32)
+        scale = jax.lax.broadcast_to_rank(scale.astype(jnp.float32), h.ndim)  # no implicit rank promotion
+        h = h * jax.lax.rsqrt((h * h).mean(-1, keepdims=True) + self.eps) * scale
         if self.use_bias and self.kind == "layernorm":
             bias = logical_param(self, "bias", (width,), (self.axis_name,), nn.initializers.zeros,
                                  self.pdtype)
-            h = h + bias.astype(jnp.float32)
+            h = h + jax.lax.broadcast_to_rank(bias.astype(jnp.float32), h.ndim)
         return h.astype(self.adtype)
 
 
@@ -164,7 +165,7 @@ def rotary(x_BTHE: jax.Array, pos_BT: jax.Array, fraction: float, base: float) -
     width = x_BTHE.shape[-1]
     rot = int(width * fraction) // 2 * 2
     inv_freq = 1.0 / (base ** (jnp.arange(0, rot, 2, dtype=jnp.float32) / rot))
-    angle_BTR = pos_BT[..., None].astype(jnp.float32) * inv_freq
+    angle_BTR = pos_BT[..., None].astype(jnp.float32) * inv_freq[None, None, :]
     angle_BTR = jnp.concatenate([angle_BTR, angle_BTR], -1)[:, :, None, :]  # one per head
     cos, sin = jnp.cos(angle_BTR), jnp.sin(angle_BTR)
     x_rot, x_pass = x_BTHE[..., :rot].astype(jnp.float32), x_BTHE[..., rot:]
@@ -575,17 +576,18 @@ def generate(model: GPT, params: Any, prompt_BP: jax.Array, mask_BP: jax.Array, 
 # ----------------------------------------------------------------------------- meshes
 
 
-def make_mesh(batch: Optional[int] = None, shard: int = 1) -> Mesh:
-    """A ("batch", "shard") mesh over all devices; batch defaults to devices // shard.
+def make_mesh(batch: Optional[int] = None, shard: int = 1, devices: Optional[List[Any]] = None) -> Mesh:
+    """A ("batch", "shard") mesh over `devices` (default: all); batch defaults to devices // shard.
 
     Axis types are Auto: shardings of parameters and inputs are given, and XLA's
     partitioner propagates them through the computation.
     """
-    n = jax.device_count()
-    batch = n // shard if batch is None else batch
+    n = jax.device_count() if devices is None else len(devices)
+    batch = n // max(shard, 1) if batch is None else batch
     if batch < 1 or shard < 1 or batch * shard != n:
         raise ValueError(f"mesh {batch}x{shard} needs {batch * shard} devices, but there are {n}")
-    return jax.make_mesh((batch, shard), ("batch", "shard"), axis_types=(AxisType.Auto,) * 2)
+    return jax.make_mesh((batch, shard), ("batch", "shard"), axis_types=(AxisType.Auto,) * 2,
+                         devices=devices)
 
 
 def parse_mesh(text: str) -> Tuple[int, int]:

@@ -306,8 +306,8 @@ class ByteTokenizer:
     bos_token_id = None
     vocab_size = 257
 
-    def encode(self, text: str) -> List[int]:
-        return list(text.encode("utf-8"))
+    def encode(self, text: str, add_special_tokens: bool = True) -> List[int]:
+        return list(text.encode("utf-8"))  # no special tokens to add
 
     def decode(self, ids: List[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
@@ -317,7 +317,7 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A local HuggingFace tokenizer, encoding without special tokens (as lm-eval does)."""
+    """A local HuggingFace tokenizer (local files only, never remote code)."""
 
     def __init__(self, directory: str):
         from transformers import AutoTokenizer
@@ -333,8 +333,10 @@ class HFTokenizer:
         self.bos_token_id = self.tok.bos_token_id
         self.vocab_size = len(self.tok)
 
-    def encode(self, text: str) -> List[int]:
-        return self.tok.encode(text, add_special_tokens=False)
+    def encode(self, text: str, add_special_tokens: bool = True) -> List[int]:
+        """Ids of `text`; by default with the tokenizer's own special tokens (Llama's BOS),
+        as lm-evaluation-harness 0.4 encodes contexts and prompts."""
+        return self.tok.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: List[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
@@ -416,12 +418,16 @@ def builtin_items(task: str, split: str, seed: int = 0) -> Iterator[Any]:
             yield item
 
 
+TRAINING_MIX = {"addition": 0.45, "repeat": 0.25, "grammar": 0.15, "text": 0.15}  # share of lines
+
+
 def training_text(seed: int) -> Iterator[str]:
-    """Lines mixing all four tasks, from the train split only."""
-    streams = {t: builtin_items(t, "train", seed) for t in ("grammar", "text", "addition", "repeat")}
+    """Lines mixing all four tasks, from the train split only. Addition and copying are
+    the slowest to learn, so they get most of the lines."""
+    streams = {t: builtin_items(t, "train", seed) for t in TRAINING_MIX}
     rng = random.Random(seed)
     while True:
-        task = rng.choice(list(streams))
+        task = rng.choices(list(TRAINING_MIX), weights=list(TRAINING_MIX.values()))[0]
         item = next(streams[task])
         yield item if isinstance(item, str) else item[0] + item[1]  # pairs: prompt + answer
 
@@ -535,7 +541,7 @@ class BaseTrainer:
         a = self.args
         tx = self.optimizer()
         params = self.variables["params"]
-        state = (params, jax.jit(tx.init)(params))
+        state = (params, self.place_optimizer_state(jax.jit(tx.init)(params)))
         state_shardings = jax.tree.map(lambda x: x.sharding, state)
         batch_sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec("batch"))
         step = jax.jit(self.train_step(tx), out_shardings=(state_shardings, None), donate_argnums=0)
@@ -556,6 +562,12 @@ class BaseTrainer:
                 self.evaluate()
         bar.close()
         self.evaluate()
+
+    def place_optimizer_state(self, opt_state: Any) -> Any:
+        """Adam's moments inherit their parameter's sharding; step counters are replicated."""
+        replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        keep = lambda x: x.sharding if isinstance(x.sharding, jax.sharding.NamedSharding) else replicated
+        return jax.device_put(opt_state, jax.tree.map(keep, opt_state))
 
     def log(self, record: Dict[str, Any]) -> None:
         if self.spec.is_main:

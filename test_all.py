@@ -1,0 +1,1520 @@
+"""Tests of the whole project, fast on CPU with 8 simulated devices.
+
+    pip install -r requirements.txt torch==2.13.0 'lm-eval[hf]==0.4.13' pytest && python -m pytest -q test_all.py
+
+Sections, in reading order: gpt.py (the model layer), evaluate.py and jobs.py (the
+harness), HuggingFace backbones against transformers' PyTorch models, scoring conventions
+against lm-evaluation-harness, reliability (bad input, interruption, the same answer on
+every mesh and on two processes). Torch and lm-eval are test-only: their tests skip with a
+reason where they are missing.
+"""
+import functools
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# before jax is imported: 8 host devices, so the mesh tests run on any laptop; and no LLVM
+# optimization, since these tiny programs spend far longer compiling than running (2x faster)
+os.environ.setdefault("XLA_FLAGS",
+                      "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
+os.environ["HF_DATASETS_OFFLINE"] = "1"  # nothing is ever downloaded
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+from safetensors.numpy import load_file, save_file
+
+jax.config.update("jax_numpy_rank_promotion", "raise")  # broadcasting must be explicit
+
+import evaluate
+import gpt
+import jobs
+from evaluate import export_gpt2, load_backbone
+from jobs import HFTokenizer, UsageError
+
+ROOT = Path(__file__).resolve().parent
+
+# ---- gpt.py: the model layer
+
+TINY = dict(n_layers=2, n_embd=32, n_head=4, block_size=32)
+# every family option at once: grouped kv heads, q/k norm, SwiGLU, RMSNorm, NeoX residual,
+# separate unembedding, rotary on a quarter of each head
+EVERYTHING = dict(rope=True, n_kv_head=2, qk_norm=True, mlp="swiglu", norm="rmsnorm",
+                  parallel_residual=True, tie_embeddings=False, rotary_fraction=0.25)
+CONFIGS = {**{name: {**family, "n_kv_head": 2} for name, family in gpt.FAMILIES.items()},
+           "everything": EVERYTHING}
+
+
+def tiny(**overrides) -> gpt.GPT:
+    return gpt.GPT(**{**TINY, **overrides})
+
+
+def init(model: gpt.GPT, seed: int = 0):
+    """Random host parameters, all of them nonzero (biases too, so bias bugs show) and larger
+    than the usual 0.02 so attention is far from uniform. numpy: compiling init is slow."""
+    rng = np.random.default_rng(seed)
+
+    def fill(path, leaf):
+        is_scale = jax.tree_util.keystr(path).endswith("['scale']")
+        return (is_scale + 0.1 * rng.standard_normal(leaf.shape)).astype(np.float32)
+
+    return jax.tree_util.tree_map_with_path(fill, nn.meta.unbox(gpt.abstract_params(model)))
+
+
+@functools.lru_cache(maxsize=None)
+def forward(model: gpt.GPT):
+    """The jitted forward pass (idx, mask) -> logits; eager flax is slow on CPU."""
+    return jax.jit(lambda v, idx, mask: model.apply(v, idx, padding_mask=mask, deterministic=True)[0])
+
+
+def logits_of(model, variables, idx, mask=None) -> np.ndarray:
+    mask = np.ones(idx.shape, bool) if mask is None else mask  # one compile per shape, not two
+    return np.asarray(forward(model)(variables, idx, mask))
+
+
+def tokens(shape, seed=0, vocab=320) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, vocab, shape).astype(np.int32)
+
+
+def left_pad(rows, seed=1):
+    """Ragged rows -> (idx [B, T], mask [B, T]); padding holds junk tokens, not zeros."""
+    width = max(len(r) for r in rows)
+    idx = tokens((len(rows), width), seed)
+    mask = np.zeros((len(rows), width), bool)
+    for b, row in enumerate(rows):
+        idx[b, width - len(row):], mask[b, width - len(row):] = row, True
+    return idx, mask
+
+
+PROMPT_LENGTHS, STEPS = (5, 1, 3, 7), 6
+BUFFER = (len(PROMPT_LENGTHS), max(PROMPT_LENGTHS) + STEPS)  # prompts + new tokens
+
+
+def ragged_prompts(seed=2):
+    return [tokens((n,), seed + n) for n in PROMPT_LENGTHS]
+
+
+def greedy_recompute(model, variables, idx, mask, steps):
+    """Greedy decoding with no cache: rerun the whole sequence for each new token.
+    Returns (new tokens [B, steps], top1 - top2 logit gaps [B, steps]).
+    One fixed-width buffer keeps it to one compile; by causality the slots after the
+    current token (junk, masked) cannot change its logits."""
+    B, P = idx.shape
+    idx = np.concatenate([idx, tokens((B, steps), seed=9)], 1)
+    mask = np.concatenate([mask, np.zeros((B, steps), bool)], 1)
+    gaps = []
+    for t in range(P, P + steps):
+        last_BV = logits_of(model, variables, idx, mask)[:, t - 1]
+        top2 = np.sort(last_BV, -1)[:, -2:]
+        gaps.append(top2[:, 1] - top2[:, 0])
+        idx[:, t], mask[:, t] = last_BV.argmax(-1), True
+    return idx[:, P:], np.stack(gaps, 1)
+
+
+def assert_cache_matches_recompute(model, variables):
+    idx, mask = left_pad(ragged_prompts())
+    expected, gaps = greedy_recompute(model, variables, idx, mask, STEPS)
+    got = jax.jit(lambda v, x, m: gpt.generate(model, v, x, m, STEPS))(variables, idx, mask)
+    # a near-tied argmax may fall either way (float rounding differs); each row is compared
+    # up to its first near-tie
+    trusted = np.cumprod(gaps > 1e-3, axis=1).astype(bool)
+    assert trusted.mean() >= 0.75, "too many near-ties for the comparison to mean much"
+    np.testing.assert_array_equal(np.asarray(got)[trusted], expected[trusted])
+
+
+def assert_causal_by_edits(model, variables):
+    """Changing the tokens after t leaves logits up to t unchanged (and changes later ones)."""
+    idx = tokens(BUFFER)  # the decoding buffer's shape: no extra compile
+    t = 5
+    edited = idx.copy()
+    edited[:, t + 1:] = (edited[:, t + 1:] + 1) % 320
+    before, after = logits_of(model, variables, idx), logits_of(model, variables, edited)
+    np.testing.assert_array_equal(before[:, :t + 1], after[:, :t + 1])
+    assert np.abs(before[:, t + 1:] - after[:, t + 1:]).max() > 1e-4
+
+
+def test_shapes_and_loss_match_numpy_cross_entropy():
+    model = tiny()
+    variables = init(model)
+    idx, targets = tokens((3, 10)), tokens((3, 10), seed=1)
+    targets[0, :4] = targets[2, 7:] = -1  # ignored positions
+    apply = jax.jit(lambda v, x, y: model.apply(v, x, y, deterministic=True))
+    logits, loss = apply(variables, idx, targets)
+    assert logits.shape == (3, 10, model.vocab_size) and logits.dtype == jnp.float32
+    assert loss.shape == () and jax.eval_shape(lambda v: model.apply(v, idx)[1], variables) is None
+    z = np.asarray(logits, np.float64)
+    log_probs = z - z.max(-1, keepdims=True)
+    log_probs -= np.log(np.exp(log_probs).sum(-1, keepdims=True))
+    keep = targets != -1
+    nll = -np.take_along_axis(log_probs, np.where(keep, targets, 0)[..., None], -1)[..., 0]
+    np.testing.assert_allclose(float(loss), nll[keep].mean(), rtol=1e-5)
+    all_ignored = apply(variables, idx, np.full_like(targets, -1))[1]
+    assert float(all_ignored) == 0.0  # no division by zero
+
+
+@pytest.mark.parametrize("rope", [False, True])
+def test_causal_gradients(rope):
+    """d loss[t] / d embedding[s] is exactly zero for s > t, and nonzero for s <= t."""
+    model = tiny(rope=rope)
+    bound = model.bind(init(model))
+    idx, targets = tokens((2, 8)), tokens((2, 8), seed=1)
+    x_BTD = bound.embed(idx, deterministic=True)
+
+    def nll_BT(x):
+        return gpt.token_nll(bound.unembed(bound.decode(x, deterministic=True)), targets)
+
+    jac = np.abs(np.asarray(jax.jit(jax.jacrev(nll_BT))(x_BTD))).sum(-1)  # [B, T, B, S]
+    later = np.triu(np.ones((8, 8), bool), k=1)  # s > t
+    for b in range(2):
+        assert np.all(jac[b, :, b][later] == 0.0)
+        assert np.all(jac[b, :, b][~later] > 0.0)
+        assert np.all(jac[b, :, 1 - b] == 0.0)  # rows never mix
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_family_options_run_and_are_causal(name):
+    """(generation with these options: test_kv_cache_greedy_equals_recompute)"""
+    model = tiny(**CONFIGS[name])
+    variables = init(model)
+    assert model.n_kv_head < model.n_head
+    logits = logits_of(model, variables, tokens(BUFFER))
+    assert logits.shape == (*BUFFER, model.vocab_size) and np.all(np.isfinite(logits))
+    assert_causal_by_edits(model, variables)
+
+
+@pytest.mark.parametrize("rope", [False, True])
+def test_left_padding_changes_nothing(rope):
+    model = tiny(rope=rope)
+    variables = init(model)
+    rows = ragged_prompts()
+    idx, mask = left_pad(rows)
+    padded = logits_of(model, variables, idx, mask)
+    for b, row in enumerate(rows):
+        alone = logits_of(model, variables, row[None])[0]
+        assert np.abs(padded[b, -len(row):] - alone).max() <= 1e-5
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_kv_cache_greedy_equals_recompute(name):
+    """gpt2 covers learned positions, the others rotary; all with grouped kv heads."""
+    model = tiny(**CONFIGS[name])
+    assert_cache_matches_recompute(model, init(model))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "everything"])
+def test_extend_logits_equal_full_forward(name):
+    """Prefill a ragged batch, then feed tokens one at a time: each step's logits equal the
+    full forward pass over the whole left-padded sequence."""
+    model = tiny(**CONFIGS[name])
+    variables = init(model)
+    idx, mask = left_pad(ragged_prompts())
+    extra = tokens((len(idx), STEPS), seed=3)
+    full = logits_of(model, variables, np.concatenate([idx, extra], 1),
+                     np.concatenate([mask, np.ones_like(extra, bool)], 1))
+    extend = jax.jit(lambda v, x, m, c: model.apply(v, x, m, c, method=gpt.GPT.extend))
+    cache = model.init_cache(len(idx), idx.shape[1] + extra.shape[1])
+    step_logits, cache = extend(variables, idx, mask, cache)
+    got = [np.asarray(step_logits)]
+    for t in range(extra.shape[1]):
+        step_logits, cache = extend(variables, extra[:, t:t + 1], np.ones((len(idx), 1), bool), cache)
+        got.append(np.asarray(step_logits))
+    got = np.concatenate(got, 1)
+    real = np.concatenate([mask, np.ones_like(extra, bool)], 1)
+    assert np.abs(got - full)[real].max() <= 1e-5
+
+
+@pytest.fixture(scope="module", params=[{}, EVERYTHING], ids=["gpt2", "everything"])
+def sharded_case(request):
+    """A model, host parameters, a batch, and the logits on a 1x1 mesh of one device."""
+    model = tiny(**request.param)
+    host = jax.device_get(init(model))
+    idx = tokens((8, 16))
+    return model, host, idx, run_on_mesh(model, host, idx, gpt.make_mesh(1, 1, jax.devices()[:1]))[0]
+
+
+def run_on_mesh(model, host, idx, mesh):
+    params = gpt.place_params(model, mesh, host)
+    x = jax.device_put(idx, NamedSharding(mesh, PartitionSpec("batch")))
+    logits = jax.jit(lambda p, x: model.apply(p, x, deterministic=True)[0])(params, x)
+    return logits, params, x
+
+
+@pytest.mark.parametrize("batch,shard", [(8, 1), (4, 2), (2, 4)])
+def test_sharded_equals_single_device(sharded_case, batch, shard):
+    model, host, idx, reference = sharded_case
+    logits, params, x = run_on_mesh(model, host, idx, gpt.make_mesh(batch, shard))
+    assert np.abs(np.asarray(logits) - np.asarray(reference)).max() <= 1e-5
+    assert x.sharding.spec[0] == "batch" and logits.sharding.spec[0] == "batch"
+    assert x.addressable_shards[0].data.shape == (8 // batch, 16)
+    if shard > 1:
+        assert_tensor_parallel(params["params"], shard, tied=model.tie_embeddings)
+
+
+def assert_tensor_parallel(params, shard, tied):
+    """Megatron layout: q/k/v, MLP-up and the vocabulary split their outputs, attention-out
+    and MLP-down their inputs; each device holds 1/shard of the split dimension."""
+    out, into = PartitionSpec(None, "shard"), PartitionSpec("shard", None)
+    expected = {"blocks_0/attn/q/kernel": out, "blocks_0/attn/k/kernel": out,
+                "blocks_0/attn/v/kernel": out, "blocks_0/mlp/up/kernel": out,
+                "blocks_1/attn/o/kernel": into, "blocks_1/mlp/down/kernel": into,
+                "wte/embedding": into, **({} if tied else {"lm_head/kernel": out})}
+    for path, spec in expected.items():
+        array = functools.reduce(lambda tree, key: tree[key], path.split("/"), params)
+        assert array.sharding.spec == spec, path
+        split = spec.index("shard")
+        assert array.addressable_shards[0].data.shape[split] * shard == array.shape[split], path
+
+
+def test_init_params_same_values_on_every_mesh():
+    """A seed means one model: initializing straight into shardings does not depend on the mesh."""
+    model = tiny(rope=True, n_layers=1)
+    one = jax.device_get(gpt.init_params(model, gpt.make_mesh(1, 1, jax.devices()[:1]), seed=3))
+    eight = jax.device_get(gpt.init_params(model, gpt.make_mesh(2, 4), seed=3))
+    jax.tree.map(np.testing.assert_array_equal, one, eight)
+    block = one["params"]["blocks_0"]
+    assert np.all(block["ln_1"]["scale"] == 1) and np.std(block["mlp"]["up"]["kernel"]) > 0.01
+
+
+@pytest.mark.parametrize("rope", [False, True])
+@pytest.mark.parametrize("size", [dict(n_layers=1, n_embd=32, n_head=4),
+                                  dict(n_layers=2, n_embd=64, n_head=4, n_kv_head=2, mlp="swiglu",
+                                       tie_embeddings=False)],
+                         ids=["1x32", "2x64_gqa_swiglu_untied"])
+def test_flops_match_xla_cost_analysis(size, rope):
+    """flops() counts matmuls, fwd + bwd = 3x fwd; XLA also counts elementwise work,
+    so the two agree to ~5% at these tiny widths."""
+    seq = 32
+    model = gpt.GPT(block_size=seq, rope=rope, **size)
+    idx = jnp.zeros((1, seq), jnp.int32)
+    variables = gpt.abstract_params(model, seq)  # shapes only, boxed as init() gives them
+    forward = jax.jit(lambda v, x: model.apply(v, x, deterministic=True)[0])
+    cost = forward.lower(variables, idx).compile().cost_analysis()
+    xla_flops = (cost[0] if isinstance(cost, list) else cost)["flops"]
+    assert model.bind(variables).flops(seq) == pytest.approx(3 * xla_flops, rel=0.10)
+
+
+def first_block_update(model, variables, idx) -> float:
+    """Block 0's ||block(x) - x|| / ||x||, averaged over tokens, by hand."""
+    def first_block(m, idx):
+        x = m.embed(idx, deterministic=True)
+        T = idx.shape[1]
+        allowed = gpt.causal_allowed(jnp.ones(idx.shape, bool), jnp.arange(T), jnp.arange(T))
+        return x, m.blocks[0](x, gpt.positions_for(idx, None), allowed)[0]
+
+    x, y = jax.jit(lambda v: model.apply(v, idx, method=first_block))(variables)
+    return (np.linalg.norm(y - x, axis=-1) / np.linalg.norm(x, axis=-1)).mean()
+
+
+def test_measure_records_one_value_per_layer_only_when_asked(monkeypatch):
+    model = tiny()
+    variables = init(model)
+    idx = tokens((2, 8))
+    measured = jax.jit(lambda v, x: model.apply(v, x, deterministic=True, mutable=["intermediates"]))
+    (logits, _), state = measured(variables, idx)
+    values = np.asarray(state["intermediates"]["residual_update"], np.float32)
+    assert values.shape == (model.n_layers,) and np.all(np.isfinite(values)) and np.all(values > 0)
+    np.testing.assert_allclose(values[0], first_block_update(model, variables, idx), rtol=1e-5)
+    # without mutable: same logits, and not a single extra operation is traced
+    np.testing.assert_allclose(logits_of(model, variables, idx), np.asarray(logits), rtol=0, atol=1e-6)
+
+    def trace():  # a fresh function each time: jax caches traces by function
+        return str(jax.make_jaxpr(lambda v, x: model.apply(v, x, deterministic=True))(variables, idx))
+
+    traced = trace()
+    monkeypatch.setattr(gpt.GPT, "measure", lambda self, *args: None)
+    assert trace() == traced
+
+
+def test_gather_lists_every_part_once():
+    parts = gpt.GPT.gather()
+    assert parts[0] is gpt.GPT and len(parts) == len(set(parts))
+    assert set(parts) == {gpt.GPT, gpt.Block, gpt.Attention, gpt.MLP, gpt.Norm, gpt.Linear}
+    # and components() is honest: every part a real model builds is in the list
+    model = tiny(**EVERYTHING)
+    built, todo = set(), [model.bind(init(model))]
+    while todo:
+        module = todo.pop()
+        built.add(type(module))
+        todo.extend(module.children_modules())
+    assert built == set(parts)
+
+
+def test_rotary_fraction_leaves_the_rest_of_each_head_alone():
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 5, 2, 16)), jnp.float32)
+    out = gpt.rotary(x, jnp.arange(5)[None], fraction=0.25, base=10000.0)
+    np.testing.assert_array_equal(np.asarray(out[..., 4:]), np.asarray(x[..., 4:]))
+    assert np.abs(np.asarray(out[:, 1:, :, :4] - x[:, 1:, :, :4])).max() > 1e-3
+    np.testing.assert_allclose(np.asarray(out[:, 0]), np.asarray(x[:, 0]))  # position 0: identity
+
+
+def test_bad_names_and_meshes_fail_clearly():
+    with pytest.raises(ValueError, match="unknown dtype"):
+        gpt.dtype_of("float64")
+    for batch, shard in [(3, 2), (None, 3), (16, 1), (8, 0)]:
+        with pytest.raises(ValueError, match="devices, but there are 8"):
+            gpt.make_mesh(batch, shard)
+    for text in ["3", "ax2", "0x8", "4x2x1", "4x", "-1x8"]:
+        with pytest.raises(ValueError, match="BATCHxSHARD"):
+            gpt.parse_mesh(text)
+    assert gpt.parse_mesh("4x2") == (4, 2) and gpt.parse_mesh("1X8") == (1, 8)
+    assert dict(gpt.make_mesh(shard=2).shape) == {"batch": 4, "shard": 2}
+
+
+# ---- evaluate.py and jobs.py: the harness
+
+SMALL = dict(n_layers=2, n_embd=64, n_head=4, block_size=64, vocab_size=320)  # 64: rolling windows
+
+
+def mesh_of(batch=1, shard=1):
+    return gpt.make_mesh(batch, shard, devices=jax.devices()[: batch * shard])
+
+
+@pytest.fixture(scope="module")
+def small():
+    """A tiny GPT with non-trivial weights (scaled init so argmax is rarely tied)."""
+    model = gpt.GPT(**SMALL)
+    variables = gpt.init_params(model, mesh_of(), seed=3)
+    variables = jax.tree.map(lambda x: x * 5.0, variables)
+    return model, jax.device_get(variables)
+
+
+def evaluator(small, evaluations, mesh=(1, 1), **options):
+    model, host = small
+    mesh = mesh_of(*mesh)
+    variables = gpt.place_params(model, mesh, host)
+    spec = jobs.ExecutionSpec(name="test", out_dir="/nonexistent")
+    config = evaluate.EvaluatorConfig(quiet=True, **options)
+    return evaluate.Evaluator.from_parts(spec, model, variables, jobs.ByteTokenizer(), mesh,
+                                         evaluations, config)
+
+
+DOCS = [{"text": "the cat sees the dog. " * k} for k in (1, 2, 7)] + [{"text": "x"}]  # 7x > 64 tokens
+MC = [{"context": "the cats", "choices": [" see", " sees", " seen it"], "gold": 0},
+      {"context": "2+2= ", "choices": ["4", "5"], "gold": 0},
+      {"context": "", "choices": ["a", "b"], "gold": 1}]
+GEN = [{"prompt": "12+3", "answer": "15"}, {"prompt": "the", "answer": "cat"},
+       {"prompt": "a" * 100, "answer": "b"}]
+
+
+def all_kinds():
+    return [evaluate.PerplexityEvaluation("ppl", DOCS), evaluate.MultipleChoiceEvaluation("mc", MC),
+            evaluate.RolloutEvaluation("gen", GEN, max_new_tokens=6),
+            evaluate.AccuracyEvaluation("acc", DOCS)]
+
+
+def test_find_accumulation_steps():
+    f = evaluate.Evaluation.find_accumulation_steps
+    assert f(64, 8, 2) == (8, 4)
+    assert f(60, 8, 2) == (6, 5)
+    assert f(7, 8, 2) == (None, None)
+    assert f(12, 5, 4) == (3, 1)
+    assert f(1, 8, 1) == (1, 1)
+
+
+def test_rolling_windows_score_every_token_once():
+    tokens = list(range(100, 250))
+    for max_len in (16, 64, 150, 200):
+        requests = evaluate.rolling_requests(tokens, 7, max_len)
+        assert sum((cont for _, cont in requests), []) == tokens
+        assert requests[0][0] == [7]
+        full = [7] + tokens
+        for context, cont in requests:  # each window is a contiguous slice of the document
+            end = full.index(cont[-1]) + 1
+            assert context + cont == full[end - len(context + cont):end]
+            assert len(cont) <= max_len and len(context + cont) <= max_len + 1
+
+
+def test_encode_pair_moves_trailing_space_like_lm_eval():
+    tok = jobs.ByteTokenizer()
+    context, cont = evaluate.encode_pair(tok, "Q: 2+2= ", "4")
+    assert context == list(b"Q: 2+2=") and cont == list(b" 4")
+
+
+def direct_doc_nll(model, variables, tokens, prefix):
+    """Sum of -log p(token) over a short document, straight from GPT.__call__."""
+    logp = np.asarray(jax.nn.log_softmax(logits_of(model, variables, np.array([[prefix] + tokens[:-1]]))[0], -1))
+    return -float(sum(logp[i, t] for i, t in enumerate(tokens)))
+
+
+def test_perplexity_equals_direct_computation(small):
+    model, host = small
+    ev = evaluator(small, [])
+    result = evaluate.PerplexityEvaluation("ppl", DOCS[:2]).result(ev, ev.tokenizer)
+    for record, doc in zip(result.records, DOCS[:2]):
+        tokens = list(doc["text"].encode())
+        assert record["tokens"] == len(tokens)
+        np.testing.assert_allclose(record["nll"], direct_doc_nll(model, host, tokens, 256), rtol=1e-5)
+    nll = sum(r["nll"] for r in result.records)
+    count = sum(r["tokens"] for r in result.records)
+    np.testing.assert_allclose(result.value, np.exp(nll / count), rtol=1e-6)
+
+
+def test_multiple_choice_loglik_equals_direct_computation(small):
+    model, host = small
+    ev = evaluator(small, [])
+    result = evaluate.MultipleChoiceEvaluation("mc", MC).result(ev, ev.tokenizer)
+    for record, sample in zip(result.records, MC):
+        for choice, ll in zip(sample["choices"], record["loglik"]):
+            ctx, cont = evaluate.encode_pair(ev.tokenizer, sample["context"], choice)
+            ctx = ctx or [256]
+            logp = np.asarray(jax.nn.log_softmax(logits_of(model, host, np.array([ctx + cont[:-1]]))[0], -1))
+            direct = sum(float(logp[len(ctx) - 1 + i, t]) for i, t in enumerate(cont))
+            np.testing.assert_allclose(ll, direct, rtol=1e-5, atol=1e-5)
+        assert record["pred"] == int(np.argmax(record["loglik"]))
+
+
+def greedy_by_recompute(model, variables, prompt, n):
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(np.argmax(logits_of(model, variables, np.array([ids]))[0, -1])))
+    return ids[len(prompt):]
+
+
+def test_rollout_equals_full_recompute_greedy(small):
+    model, host = small
+    ev = evaluator(small, [], batch_size=3)
+    prompts = [list(b"12+3"), list(b"the cat"), list(b"a")]
+    out = list(ev.rollout(iter(enumerate(prompts)), 6, 0.0, 1.0, 0))
+    for (i, new, truncated, _), prompt in zip(out, prompts):
+        expected = greedy_by_recompute(model, host, prompt, 6)
+        if 256 in expected:
+            expected = expected[:expected.index(256)]
+        assert new == expected and not truncated
+
+
+@pytest.mark.parametrize("reduce", ["mean", "sum", "none"])
+def test_reduce_modes(small, reduce):
+    ev = evaluator(small, [])
+    mc = evaluate.MultipleChoiceEvaluation("mc", MC)
+    per_sample = mc(ev, ev.tokenizer, reduce="none")
+    assert isinstance(per_sample, np.ndarray) and per_sample.shape == (len(MC),)
+    out = mc(ev, ev.tokenizer, reduce=reduce)
+    expected = {"mean": per_sample.mean(), "sum": per_sample.sum(), "none": per_sample}[reduce]
+    np.testing.assert_allclose(out, expected)
+    value, rows = mc(ev, ev.tokenizer, reduce=reduce, return_intermediates=True)
+    assert len(rows) == len(MC)
+    tokens, mask = rows[0]
+    assert tokens.shape == mask.shape and tokens.shape[0] == len(MC[0]["choices"])
+
+
+def scores_of(ev):
+    return {e.name: e.result(ev, ev.tokenizer, max_new_tokens=6).scores for e in ev.evaluations}
+
+
+def test_scores_do_not_depend_on_batch_size_or_mesh(small):
+    reference = scores_of(evaluator(small, all_kinds(), batch_size=8))
+    for batch, mesh in [(1, (1, 1)), (3, (1, 1)), (8, (8, 1)), (3, (4, 2))]:
+        got = scores_of(evaluator(small, all_kinds(), mesh=mesh, batch_size=batch, chunks=2))
+        for name in reference:
+            if name in ("mc", "gen", "acc"):
+                np.testing.assert_array_equal(got[name], reference[name], err_msg=f"{name} {batch} {mesh}")
+            else:
+                np.testing.assert_allclose(got[name], reference[name], rtol=1e-5)
+
+
+def test_checkpoint_round_trip(small, tmp_path):
+    model, host = small
+    mesh = mesh_of()
+    jobs.save_checkpoint(str(tmp_path / "ck"), model, gpt.place_params(model, mesh, host), {"kind": "bytes"})
+    restored, variables, config = jobs.load_checkpoint(str(tmp_path / "ck"), mesh_of(4, 2))
+    assert restored == model and config["tokenizer"] == {"kind": "bytes"}
+    jax.tree.map(np.testing.assert_array_equal, host, jax.device_get(variables))  # bit-exact weights
+    assert variables["params"]["blocks_0"]["mlp"]["up"]["kernel"].sharding.spec == jax.sharding.PartitionSpec(None, "shard")
+    idx = jnp.array([list(b"hello world")])
+    np.testing.assert_allclose(model.apply(host, idx, deterministic=True)[0],
+                               restored.apply(variables, idx, deterministic=True)[0], atol=1e-4)
+
+
+def cli(*args, devices=2, timeout=300):
+    """`python evaluate.py ARGS` in a fresh process with `devices` simulated CPU devices."""
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    return subprocess.run([sys.executable, str(ROOT / "evaluate.py"), *map(str, args)],
+                          capture_output=True, text=True, env=env, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(small, tmp_path_factory):
+    model, host = small
+    path = tmp_path_factory.mktemp("ckpt") / "tiny"
+    jobs.save_checkpoint(str(path), model, gpt.place_params(model, mesh_of(), host), {"kind": "bytes"})
+    return path
+
+
+def write_jsonl(path, rows):
+    """Rows as JSON lines; a str row is written as is (for malformed lines)."""
+    path.write_text("".join(r if isinstance(r, str) else json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_cli_end_to_end_with_every_kind(tiny_ckpt, tmp_path):
+    files = {"ppl": write_jsonl(tmp_path / "docs.jsonl", DOCS),
+             "mc": write_jsonl(tmp_path / "choices.jsonl", MC),
+             "gen": write_jsonl(tmp_path / "qa.jsonl", GEN),
+             "acc": write_jsonl(tmp_path / "seq.jsonl", DOCS)}
+    data = sum([["--data", f"{k}:{p}"] for k, p in files.items()], [])
+    out = tmp_path / "out"
+    proc = cli("--ckpt", str(tiny_ckpt), *data, "--out", str(out), "--log-samples",
+                   "--max-new-tokens", "4", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["results"]) == {"docs", "choices", "qa", "seq"}
+    assert results["higher_is_better"] == {"docs": False, "choices": True, "qa": True, "seq": True}
+    assert results["n_samples"] == {"docs": 4, "choices": 3, "qa": 3, "seq": 4}
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 14
+    by_eval = {}
+    for s in samples:
+        by_eval.setdefault(s["eval"], []).append(s)
+    assert [s["index"] for s in by_eval["docs"]] == [0, 1, 2, 3]
+    assert {"nll", "tokens", "score"} <= set(by_eval["docs"][0])
+    assert {"loglik", "pred", "gold", "score"} <= set(by_eval["choices"][0])
+    assert {"output", "answer", "score"} <= set(by_eval["qa"][0])
+    assert {"correct", "tokens", "score"} <= set(by_eval["seq"][0])
+    nll = sum(s["nll"] for s in by_eval["docs"])
+    tokens = sum(s["tokens"] for s in by_eval["docs"])
+    np.testing.assert_allclose(results["results"]["docs"], np.exp(nll / tokens), rtol=1e-9)
+    # a finished job is not redone: the file stays byte-identical
+    before = (out / "results.json").read_bytes()
+    again = cli("--ckpt", str(tiny_ckpt), *data, "--out", str(out), "--quiet")
+    assert again.returncode == 0 and (out / "results.json").read_bytes() == before
+
+
+def test_cli_malformed_line_names_file_and_line(tiny_ckpt, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": oops}\n')
+    proc = cli("--ckpt", str(tiny_ckpt), "--data", f"ppl:{bad}", "--out", str(tmp_path / "o"))
+    assert proc.returncode == 2
+    assert f"{bad}:2" in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "o" / "results.json").exists()
+
+
+def test_registry_and_jobs_cli():
+    assert {"gpt/evaluate", "backbone/evaluate", "gpt/train/pretrain"} <= set(jobs.JOBS)
+    assert jobs.JOBS["gpt/evaluate"] is evaluate.Evaluate
+    listing = subprocess.run([sys.executable, str(ROOT / "jobs.py")], capture_output=True, text=True)
+    assert listing.returncode == 0 and "gpt/train/pretrain" in listing.stdout
+    for args, needle in [(["nope/job"], "unknown job"), (["gpt/train/pretrain", "--stepz", "3"], "--stepz"),
+                         (["gpt/train/pretrain", "--steps", "three"], "must be int")]:
+        proc = subprocess.run([sys.executable, str(ROOT / "jobs.py"), *args], capture_output=True, text=True)
+        assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_trainer_learns_and_evaluates_through_from_trainer(tmp_path):
+    config = jobs.TrainConfig(out=str(tmp_path / "train"), steps=30, batch_size=8, micro_batch_size=4,
+                              seq_len=64, n_layers=1, n_embd=32, n_head=2, warmup=5, ckpt_every=15,
+                              quiet=True)
+    spec = jobs.ExecutionSpec(name="gpt/train/pretrain", out_dir=config.out, config=config)
+    trainer = jobs.BaseTrainer(spec)
+    trainer.run()
+    log = [json.loads(line) for line in (tmp_path / "train" / "train_log.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in log if "loss" in r]
+    assert losses[-1] < losses[0] - 1.0
+    assert set(log[-1]["eval"]) == set(trainer.EVALUATION)
+    model, _, config_json = jobs.load_checkpoint(str(tmp_path / "train"), mesh_of())
+    assert config_json["step"] == 30 and model == trainer.model
+
+
+# ---- HuggingFace backbones: parity with transformers' PyTorch models
+
+try:
+    import torch
+except ImportError:
+    torch = None
+needs_torch = pytest.mark.skipif(torch is None, reason="the transformers reference models need torch "
+                                 "(test-only: pip install torch==2.13.0)")
+
+FAMILIES = ("gpt2", "llama", "qwen2", "qwen3", "gpt_neox")
+
+
+def load_tokenizer(path):
+    """transformers' own tokenizer object of a local directory."""
+    return HFTokenizer(path).tok
+VOCAB = 384  # model vocabulary: the tokenizer's (<= 384) rounded up, divisible by the 2 shards
+EOT = "<|endoftext|>"
+TEXTS = ["The quick brown fox jumps over the lazy dog.",
+         "Hello, world!",
+         "In the beginning the Universe was created. This has made a lot of people very angry.",
+         "import numpy as np; x = np.zeros(3)"]
+CORPUS = [t * 3 for t in TEXTS] + [
+    "A small tokenizer for tests learns merges from a few sentences of plain English text.",
+    "Numbers like 12, 345 and 6789 appear too, with punctuation: commas, periods; colons!",
+    "def f(x):\n    return x * 2  # code has indentation and symbols like {} [] () <> == !=",
+] * 4
+
+
+def train_tokenizer(out_dir, vocab_size=VOCAB):
+    """A byte-level BPE trained here (no hub): no prefix space, all 256 bytes in the
+    alphabet so any text encodes, <|endoftext|> as BOS and EOS, saved as
+    PreTrainedTokenizerFast (tokenizer_class in tokenizer_config.json)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOT, eos_token=EOT)
+    fast.save_pretrained(out_dir)
+    config_file = os.path.join(out_dir, "tokenizer_config.json")
+    with open(config_file) as f:
+        config = json.load(f)
+    # without it AutoTokenizer picks the class from model_type (Qwen2Tokenizer for qwen2,
+    # built from vocab/merges, ignoring tokenizer.json)
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    with open(config_file, "w") as f:
+        json.dump(config, f, indent=2)
+    return tok
+
+
+def hf_config(family, eot_id):
+    """A tiny transformers config per family: 2 layers, width 64, and each family's quirk.
+    initializer_range 0.2 (not 0.02) makes logits peaked so greedy decoding has clear winners."""
+    import transformers as tf
+    common = dict(vocab_size=VOCAB, bos_token_id=eot_id, eos_token_id=eot_id, initializer_range=0.2)
+    rotary = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128,
+                  **common)
+    if family == "gpt2":
+        return tf.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=128, n_inner=96, **common)
+    if family == "llama":  # grouped kv heads, untied, non-default theta and eps, biases
+        return tf.LlamaConfig(intermediate_size=96, num_key_value_heads=2, tie_word_embeddings=False,
+                              rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+                              rms_norm_eps=1e-5, attention_bias=True, **rotary)
+    if family == "qwen2":  # q/k/v bias only, tied
+        return tf.Qwen2Config(intermediate_size=96, num_key_value_heads=2, tie_word_embeddings=True,
+                              rope_parameters={"rope_type": "default", "rope_theta": 1000.0}, **rotary)
+    if family == "qwen3":  # head_dim 32 != 64 / 4, q/k norm
+        return tf.Qwen3Config(intermediate_size=96, num_key_value_heads=2, head_dim=32,
+                              tie_word_embeddings=True, **rotary)
+    if family == "gpt_neox":  # a quarter of each head rotated, parallel residual, untied
+        return tf.GPTNeoXConfig(intermediate_size=128, use_parallel_residual=True, tie_word_embeddings=False,
+                                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                 "partial_rotary_factor": 0.25}, **rotary)
+    raise ValueError(family)
+
+
+def make_tiny_hf(family, out_dir, seed=0):
+    """Build, randomize and save_pretrained a tiny transformers model plus the local tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    eot_id = train_tokenizer(out_dir).token_to_id(EOT)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(family, eot_id), attn_implementation="eager")
+    with torch.no_grad():  # transformers' init zeroes biases and sets norm scales to 1: perturb
+        for p in model.parameters():  # them so the loader's handling of each is exercised
+            p.add_(torch.randn_like(p) * 0.1)
+    model.eval()
+    model.save_pretrained(out_dir)
+    # AutoTokenizer must give exactly the ids of the tokenizer.json on disk
+    from tokenizers import Tokenizer
+    on_disk = Tokenizer.from_file(os.path.join(out_dir, "tokenizer.json"))
+    auto = AutoTokenizer.from_pretrained(out_dir, local_files_only=True)
+    for text in TEXTS + ["  two spaces, tabs\tand ünïcödé"]:
+        assert auto(text)["input_ids"] == on_disk.encode(text).ids, (family, type(auto).__name__, text)
+    return model
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+    if torch is None:
+        pytest.skip("needs torch")
+    """family -> (directory, transformers model)."""
+    root = tmp_path_factory.mktemp("hf")
+    return {f: (str(root / f), make_tiny_hf(f, str(root / f))) for f in FAMILIES}
+
+
+def left_padded(tokenizer, texts=TEXTS):
+    """ids [B, T] (pad id 0, never read) and mask [B, T] for ragged texts, left-padded."""
+    rows = [tokenizer(t)["input_ids"] for t in texts]
+    T = max(map(len, rows))
+    ids = np.zeros((len(rows), T), np.int32)
+    mask = np.zeros((len(rows), T), bool)
+    for b, row in enumerate(rows):
+        ids[b, T - len(row):], mask[b, T - len(row):] = row, True
+    return ids, mask
+
+
+def hf_logits(model, ids, mask):
+    """transformers' logits with the positions our GPT uses: cumsum(mask) - 1, clipped at 0."""
+    positions = np.maximum(np.cumsum(mask, -1) - 1, 0)
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor(ids, dtype=torch.long),
+                    attention_mask=torch.tensor(mask, dtype=torch.long),
+                    position_ids=torch.tensor(positions, dtype=torch.long))
+    return out.logits.float().numpy()
+
+
+def our_logits(model, params, ids, mask):
+    fn = jax.jit(lambda p, x, m: model.apply(p, x, padding_mask=m, deterministic=True)[0])
+    return np.asarray(fn(params, ids, mask))
+
+
+def max_diff_at_real(a, b, mask):
+    return float(np.abs(a - b)[mask].max())
+
+
+@needs_torch
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_transformers(hf_models, family):
+    path, hf = hf_models[family]
+    model, host = load_backbone(path)
+    ids, mask = left_padded(load_tokenizer(path))
+    diff = max_diff_at_real(our_logits(model, host, ids, mask), hf_logits(hf, ids, mask), mask)
+    print(f"{family}: max |logit diff| = {diff:.2e}")
+    assert diff <= 1e-4
+
+
+@needs_torch
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_generation_matches_transformers(hf_models, family):
+    path, hf = hf_models[family]
+    model, host = load_backbone(path)
+    tokenizer = load_tokenizer(path)
+    ids, mask = left_padded(tokenizer)
+    N = 16
+    hf.generation_config.eos_token_id = None  # exactly N new tokens, like ours without eos_id
+    with torch.no_grad():
+        out = hf.generate(input_ids=torch.tensor(ids, dtype=torch.long),
+                          attention_mask=torch.tensor(mask, dtype=torch.long), max_new_tokens=N,
+                          do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    theirs = out.sequences[:, ids.shape[1]:].numpy()
+    ours = np.asarray(jax.jit(lambda p, x, m: gpt.generate(model, p, x, m, N))(host, ids, mask))
+    # A step whose top-1/top-2 gap is below float noise may legitimately go either way;
+    # compare each row up to its first such near-tie (none expected with this init).
+    top2 = np.sort(np.stack([s.float().numpy() for s in out.logits], 1), -1)[..., -2:]  # [B, N, 2]
+    clear = np.cumprod(top2[..., 1] - top2[..., 0] >= 1e-3, axis=1).astype(bool)
+    print(f"{family}: {clear.sum()}/{clear.size} greedy tokens compared, "
+          f"{len(np.unique(theirs))} distinct, min top-1/top-2 gap {np.min(top2[..., 1] - top2[..., 0]):.2e}")
+    assert clear.sum() >= 0.75 * clear.size, f"too many near-ties to compare ({family})"
+    np.testing.assert_array_equal(ours[clear], theirs[clear])
+
+
+@needs_torch
+def test_logits_on_4x2_mesh(hf_models):
+    """Parameters placed in their tensor-parallel shardings, the batch split over 4."""
+    assert jax.device_count() == 8, "XLA_FLAGS must be set before jax is imported"
+    mesh = gpt.make_mesh(4, 2)
+    for family in FAMILIES:
+        path, hf = hf_models[family]
+        model, host = load_backbone(path)
+        params = gpt.place_params(model, mesh, host)
+        q_kernel = params["params"]["blocks_0"]["attn"]["q"]["kernel"]
+        assert q_kernel.sharding.spec == PartitionSpec(None, "shard")  # really tensor-parallel
+        ids, mask = left_padded(load_tokenizer(path))
+        batch = NamedSharding(mesh, PartitionSpec("batch"))
+        ids_d, mask_d = jax.device_put(ids, batch), jax.device_put(mask, batch)
+        diff = max_diff_at_real(our_logits(model, params, ids_d, mask_d), hf_logits(hf, ids, mask), mask)
+        print(f"{family} on 4x2 mesh: max |logit diff| = {diff:.2e}")
+        assert diff <= 1e-4, family
+
+
+@needs_torch
+def test_sharded_checkpoint_loads_like_single_file(hf_models, tmp_path):
+    path, _ = hf_models["llama"]
+    sharded = str(tmp_path / "sharded")
+    shutil.copytree(path, sharded)
+    os.remove(os.path.join(sharded, "model.safetensors"))
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    names = sorted(tensors)
+    weight_map = {}
+    for k, part in enumerate((names[::2], names[1::2])):
+        file = f"model-{k + 1:05d}-of-00002.safetensors"
+        save_file({n: tensors[n] for n in part}, os.path.join(sharded, file), metadata={"format": "pt"})
+        weight_map.update({n: file for n in part})
+    with open(os.path.join(sharded, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    _, single = load_backbone(path)
+    _, split = load_backbone(sharded)
+    jax.tree.map(np.testing.assert_array_equal, single, split)
+
+
+@needs_torch
+def test_export_gpt2_round_trip(hf_models, tmp_path):
+    """Native GPT-2-layout GPT -> HuggingFace directory -> transformers gives our logits,
+    and load_backbone reads back the same parameters."""
+    from transformers import GPT2LMHeadModel
+    tokenizer_dir, _ = hf_models["gpt2"]
+    model = gpt.GPT(n_layers=2, n_embd=64, n_head=4, block_size=64, vocab_size=VOCAB, mlp_hidden=96)
+    params = gpt.nn.meta.unbox(model.init(jax.random.key(1), jnp.zeros((1, 8), jnp.int32), deterministic=True))
+    leaves, tree = jax.tree.flatten(params)  # nonzero biases, non-unit scales
+    keys = jax.random.split(jax.random.key(2), len(leaves))
+    params = jax.tree.unflatten(tree, [x + 0.1 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
+    out = str(tmp_path / "exported")
+    export_gpt2(model, params, out, tokenizer_dir=tokenizer_dir)
+
+    hf = GPT2LMHeadModel.from_pretrained(out, local_files_only=True).eval()
+    ids, mask = left_padded(load_tokenizer(out))
+    np.testing.assert_array_equal((ids, mask), left_padded(load_tokenizer(tokenizer_dir)))
+    diff = max_diff_at_real(our_logits(model, params, ids, mask), hf_logits(hf, ids, mask), mask)
+    print(f"export_gpt2 round trip: max |logit diff| = {diff:.2e}")
+    assert diff <= 1e-4
+    back_model, back = load_backbone(out)
+    assert back_model.vocab_size == VOCAB and back_model.tie_embeddings
+    jax.tree.map(np.testing.assert_array_equal, params, back)
+
+
+@needs_torch
+def test_hub_style_files_load_like_transformers_saves(hf_models, tmp_path):
+    """GPT-2 without the "transformer." prefix (as on the Hub) and weights stored in
+    bfloat16 (as most Llama/Qwen checkpoints are) load into the same float32 tree."""
+    import ml_dtypes
+    _, saved = load_backbone(hf_models["gpt2"][0])
+    path = rewrite(hf_models["gpt2"][0], str(tmp_path / "gpt2"), lambda t: t.update(
+        {k.removeprefix("transformer."): t.pop(k) for k in list(t)}))
+    jax.tree.map(np.testing.assert_array_equal, saved, load_backbone(path)[1])
+
+    to_bf16 = lambda t: t.update({k: v.astype(ml_dtypes.bfloat16) for k, v in t.items()})
+    path = rewrite(hf_models["llama"][0], str(tmp_path / "llama"), to_bf16)
+    _, f32 = load_backbone(hf_models["llama"][0])
+    _, from_bf16 = load_backbone(path)
+    rounded = jax.tree.map(lambda x: x.astype(ml_dtypes.bfloat16).astype(np.float32), f32)
+    jax.tree.map(np.testing.assert_array_equal, rounded, from_bf16)
+    model, bf16 = load_backbone(path, dtype="bfloat16")
+    assert model.param_dtype == "bfloat16"
+    assert {x.dtype for x in jax.tree.leaves(bf16)} == {np.dtype(ml_dtypes.bfloat16)}
+
+
+def rewrite(src, dst, change):
+    """Copy an HF directory, applying change(tensors) to its model.safetensors."""
+    shutil.copytree(src, dst)
+    file = os.path.join(dst, "model.safetensors")
+    tensors = load_file(file)
+    change(tensors)
+    save_file(tensors, file, metadata={"format": "pt"})
+    return dst
+
+
+@needs_torch
+def test_unsupported_model_type(tmp_path):
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump({"model_type": "bert"}, f)
+    with pytest.raises(UsageError, match=r"'bert'.*gpt2, llama, qwen2, qwen3, gpt_neox"):
+        load_backbone(str(tmp_path))
+
+
+@needs_torch
+def test_missing_tensor(hf_models, tmp_path):
+    name = "transformer.h.1.mlp.c_fc.bias"
+    path = rewrite(hf_models["gpt2"][0], str(tmp_path / "m"), lambda t: t.pop(name))
+    with pytest.raises(UsageError, match=name.replace(".", r"\.") + ".*missing"):
+        load_backbone(path)
+
+
+@needs_torch
+def test_wrong_shape(hf_models, tmp_path):
+    name = "model.layers.0.self_attn.k_proj.weight"
+    path = rewrite(hf_models["llama"][0], str(tmp_path / "m"),
+                   lambda t: t.update({name: t[name][:-1]}))
+    with pytest.raises(UsageError, match=name.replace(".", r"\.") + ".*shape"):
+        load_backbone(path)
+
+
+@needs_torch
+def test_pickle_only_directory_is_refused_unread(hf_models, tmp_path):
+    shutil.copy(os.path.join(hf_models["gpt2"][0], "config.json"), tmp_path)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not a pickle, and never opened")
+    with pytest.raises(UsageError, match="safetensors"):
+        load_backbone(str(tmp_path))
+
+
+@needs_torch
+def test_rope_scaling_refused(hf_models, tmp_path):
+    path = str(tmp_path / "m")
+    shutil.copytree(hf_models["llama"][0], path)
+    config_file = os.path.join(path, "config.json")
+    with open(config_file) as f:
+        config = json.load(f)
+    config["rope_parameters"] = {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}
+    with open(config_file, "w") as f:
+        json.dump(config, f)
+    with pytest.raises(UsageError, match="linear"):
+        load_backbone(path)
+
+
+@needs_torch
+def test_config_with_fewer_layers_than_file(hf_models, tmp_path):
+    path = str(tmp_path / "m")
+    shutil.copytree(hf_models["qwen3"][0], path)
+    config_file = os.path.join(path, "config.json")
+    with open(config_file) as f:
+        config = json.load(f)
+    config["num_hidden_layers"], config["layer_types"] = 1, ["full_attention"]
+    with open(config_file, "w") as f:
+        json.dump(config, f)
+    with pytest.raises(UsageError, match=r"does not account for.*model\.layers\.1\."):
+        load_backbone(path)
+
+
+
+HARNESS_DOCS = [{"text": t} for t in TEXTS] + [{"text": TEXTS[2] * 6}]  # the last one needs rolling windows
+HARNESS_MC = [{"context": "The quick brown", "choices": [" fox", " dog", " numpy"], "gold": 0},
+              {"context": "Hello, ", "choices": ["world!", "Universe."], "gold": 0}]
+
+
+def hf_evaluator(path, mesh=(1, 1)):
+    model, host = load_backbone(path)
+    mesh = gpt.make_mesh(*mesh, devices=jax.devices()[: mesh[0] * mesh[1]])
+    spec = jobs.ExecutionSpec(name="test")
+    return evaluate.Evaluator.from_parts(spec, model, gpt.place_params(model, mesh, host), HFTokenizer(path),
+                                         mesh, [], evaluate.EvaluatorConfig(quiet=True, batch_size=2))
+
+
+def hf_continuation_logprob(hf, context, continuation):
+    """Summed log p(continuation | context) straight from transformers, no padding."""
+    ids = torch.tensor([(context + continuation)[:-1]])  # the last token predicts nothing
+    with torch.no_grad():
+        logp = torch.log_softmax(hf(input_ids=ids).logits[0].double(), -1)
+    return sum(float(logp[len(context) - 1 + i, t]) for i, t in enumerate(continuation))
+
+
+def hf_document_nll(hf, tokens, prefix, max_len):
+    """Every token scored once, windows of max_len as in lm-eval's loglikelihood_rolling."""
+    return -sum(hf_continuation_logprob(hf, ctx, cont)
+                for ctx, cont in evaluate.rolling_requests(tokens, prefix, max_len))
+
+
+@needs_torch
+@pytest.mark.parametrize("family", FAMILIES)
+def test_harness_scores_match_transformers(hf_models, family):
+    path, hf = hf_models[family]
+    for mesh in [(1, 1), (4, 2)]:
+        ev = hf_evaluator(path, mesh)
+        tok = ev.tokenizer
+        ppl = evaluate.PerplexityEvaluation("ppl", HARNESS_DOCS).result(ev, tok)
+        assert len(tok.encode(HARNESS_DOCS[-1]["text"])) > ev.max_len  # really rolled
+        for record, doc in zip(ppl.records, HARNESS_DOCS):
+            expected = hf_document_nll(hf, tok.encode(doc["text"]), ev.prefix_id, ev.max_len)
+            np.testing.assert_allclose(record["nll"], expected, rtol=1e-4)
+        mc = evaluate.MultipleChoiceEvaluation("mc", HARNESS_MC).result(ev, tok)
+        for record, sample in zip(mc.records, HARNESS_MC):
+            for choice, ll in zip(sample["choices"], record["loglik"]):
+                ctx, cont = evaluate.encode_pair(tok, sample["context"], choice)
+                np.testing.assert_allclose(ll, hf_continuation_logprob(hf, ctx, cont), rtol=1e-4)
+
+
+@needs_torch
+def test_huggingface_model_saved_native_reloads_identically(hf_models, tmp_path):
+    path, _ = hf_models["qwen3"]
+    model, host = load_backbone(path)
+    mesh = gpt.make_mesh(1, 1, devices=jax.devices()[:1])
+    jobs.save_checkpoint(str(tmp_path / "native"), model, gpt.place_params(model, mesh, host),
+                         HFTokenizer(path).describe())
+    restored, variables, config = jobs.load_checkpoint(str(tmp_path / "native"), mesh)
+    tokenizer = jobs.load_tokenizer(config, str(tmp_path / "native"))
+    ids, mask = left_padded(tokenizer.tok)
+    np.testing.assert_array_equal(our_logits(model, host, ids, mask), our_logits(restored, variables, ids, mask))
+    assert tokenizer.encode(TEXTS[0]) == HFTokenizer(path).encode(TEXTS[0])
+
+
+@needs_torch
+def test_cli_on_a_huggingface_directory(hf_models, tmp_path):
+    path, hf = hf_models["gpt2"]
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps(d) + "\n" for d in HARNESS_DOCS[:2]))
+    proc = cli("--ckpt", path, "--data", f"ppl:{docs}", "--out", tmp_path / "o", "--log-samples", "--quiet")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = json.loads((tmp_path / "o" / "results.json").read_text())
+    assert results["job"] == "backbone/evaluate"
+    tok = HFTokenizer(path)
+    samples = [json.loads(l) for l in (tmp_path / "o" / "samples.jsonl").read_text().splitlines()]
+    for sample, doc in zip(samples, HARNESS_DOCS):
+        expected = hf_document_nll(hf, tok.encode(doc["text"]), tok.eos_token_id, 128)
+        np.testing.assert_allclose(sample["nll"], expected, rtol=1e-4)
+
+
+# ---- scoring conventions against lm-evaluation-harness itself (offline)
+
+try:
+    import lm_eval
+except ImportError:
+    lm_eval = None
+needs_lm_eval = pytest.mark.skipif(torch is None or lm_eval is None, reason="needs torch and "
+                                   "lm-evaluation-harness (test-only: pip install 'lm-eval[hf]')")
+
+CONTEXT = 64  # n_positions: lm-eval's max_length (from the config) and our block_size
+LM_DOCS = [{"text": t} for t in TEXTS] + [
+    {"text": "  leading spaces, a tab\tand ünïcödé\nthen a second line."},
+    {"text": TEXTS[2] * 5},  # several rolling windows
+    {"text": " ".join(TEXTS) * 2},  # a window boundary elsewhere
+]
+LM_MC = [  # contexts ending in spaces; choices without and with a leading space (appended as given)
+    {"context": "The quick brown ", "choices": ["fox", "dog", " numpy"], "gold": 0},
+    {"context": "Hello, ", "choices": ["world!", "Universe.", " world!"], "gold": 1},
+    {"context": "In the beginning", "choices": [" the Universe was created.", " a fox", "!"], "gold": 0},
+    {"context": "x = np.zeros(3)  ", "choices": ["# zeros", "\n", "return x * 2"], "gold": 2},
+    {"context": "Numbers like ", "choices": ["12, 345", "ünïcödé", "6789 appear too"], "gold": 2},
+    {"context": TEXTS[2] * 4 + " ", "choices": ["This", "That has made a lot"], "gold": 1},  # cut left
+    {"context": "", "choices": ["Hello", " Hello", "The quick"], "gold": 2},  # BOS/EOS as the context
+]
+LM_GEN_NEW = 8
+LM_GEN = [{"prompt": t[: len(t) // 2], "answer": t[len(t) // 2:]} for t in TEXTS] + [
+    {"prompt": "def f(x):\n    return", "answer": " x * 2"},
+    {"prompt": TEXTS[2] * 4, "answer": ""},  # longer than the room left: cut from the left
+]
+
+
+def make_gpt2(out_dir, seed=0):
+    """A random tiny GPT-2 (initializer_range 0.2 and perturbed biases: peaked, untied scores)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    eot = train_tokenizer(out_dir).token_to_id(EOT)
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=VOCAB, n_positions=CONTEXT, n_embd=64, n_layer=2, n_head=4, n_inner=96,
+                        bos_token_id=eot, eos_token_id=eot, initializer_range=0.2)
+    model = GPT2LMHeadModel(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    model.eval().save_pretrained(out_dir)
+    return model
+
+
+def write_task(task_dir, data_dir, name, lines, **fields):
+    data = os.path.join(data_dir, f"{name}.jsonl")
+    with open(data, "w") as f:
+        f.write("".join(json.dumps(x) + "\n" for x in lines))
+    config = {"task": name, "dataset_path": "json",
+              "dataset_kwargs": {"data_files": {"test": data}, "cache_dir": os.path.join(data_dir, "cache")},
+              "test_split": "test", **fields}
+    with open(os.path.join(task_dir, f"{name}.yaml"), "w") as f:
+        json.dump(config, f, indent=1)  # JSON is YAML
+
+
+def run_lm_eval(model_dir, task_dir, tasks):
+    """lm-eval's "hf" model on our local tasks: {task: samples ordered by doc_id}."""
+    from lm_eval.tasks import TaskManager
+    out = lm_eval.simple_evaluate(model="hf", model_args={"pretrained": model_dir, "dtype": "float32"},
+                                  tasks=tasks, device="cpu", batch_size=4,
+                                  task_manager=TaskManager(include_path=task_dir, include_defaults=False),
+                                  log_samples=True, bootstrap_iters=0)
+    return {task: sorted(rows, key=lambda s: s["doc_id"]) for task, rows in out["samples"].items()}
+
+
+def our_evaluator(model_dir):
+    model, host = load_backbone(model_dir)
+    assert model.block_size == CONTEXT
+    mesh = gpt.make_mesh(1, 1, devices=jax.devices()[:1])
+    ev = evaluate.Evaluator.from_parts(jobs.ExecutionSpec(name="lmeval"), model, gpt.place_params(model, mesh, host),
+                                       HFTokenizer(model_dir), mesh, [],
+                                       evaluate.EvaluatorConfig(quiet=True, batch_size=4))
+    assert ev.max_len == CONTEXT
+    return ev
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    if torch is None or lm_eval is None:
+        pytest.skip("needs torch and lm-eval")
+    """(model directory, task directory) with the three tasks written."""
+    root = tmp_path_factory.mktemp("lmeval")
+    model_dir, task_dir, data_dir = (str(root / d) for d in ("model", "tasks", "data"))
+    for d in (task_dir, data_dir):
+        os.makedirs(d)
+    make_gpt2(model_dir)
+    write_task(task_dir, data_dir, "ours_ppl", LM_DOCS, output_type="loglikelihood_rolling",
+               doc_to_text="", doc_to_target="text", metric_list=[{"metric": "byte_perplexity"}])
+    write_task(task_dir, data_dir, "ours_mc", LM_MC, output_type="multiple_choice", doc_to_text="context",
+               doc_to_choice="choices", doc_to_target="gold", target_delimiter="",
+               metric_list=[{"metric": "acc"}, {"metric": "acc_norm"}])
+    write_task(task_dir, data_dir, "ours_gen", LM_GEN, output_type="generate_until", doc_to_text="prompt",
+               doc_to_target="answer", target_delimiter="",
+               generation_kwargs={"until": ["\n"], "max_gen_toks": LM_GEN_NEW, "do_sample": False},
+               metric_list=[{"metric": "exact_match"}])
+    return model_dir, task_dir
+
+
+@pytest.fixture(scope="module")
+def runs(workdir):
+    """(lm-eval's samples per task, our Results per kind, our evaluator, the model directory)."""
+    model_dir, task_dir = workdir
+    started = time.time()
+    samples = run_lm_eval(model_dir, task_dir, ["ours_ppl", "ours_mc", "ours_gen"])
+    lm_seconds = time.time() - started
+    started = time.time()
+    ev = our_evaluator(model_dir)
+    ours = {"ppl": evaluate.PerplexityEvaluation("ppl", LM_DOCS).result(ev, ev.tokenizer),
+            "mc": evaluate.MultipleChoiceEvaluation("mc", LM_MC).result(ev, ev.tokenizer),
+            "gen": evaluate.RolloutEvaluation("gen", LM_GEN, max_new_tokens=LM_GEN_NEW, stop=("\n",)).result(
+                ev, ev.tokenizer)}
+    print(f"\nlm-eval: {lm_seconds:.1f}s, ours: {time.time() - started:.1f}s")
+    return samples, ours, ev, model_dir
+
+
+def rel(a, b):
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+@needs_lm_eval
+def test_rolling_nll_matches_lm_eval(runs):
+    samples, ours, ev, _ = runs
+    rows = samples["ours_ppl"]
+    assert [s["doc"]["text"] for s in rows] == [d["text"] for d in LM_DOCS]
+    assert max(len(ev.tokenizer.encode(d["text"])) for d in LM_DOCS) > 2 * CONTEXT  # really rolled
+    worst = 0.0
+    for sample, record in zip(rows, ours["ppl"].records):
+        (theirs,) = sample["filtered_resps"]  # the document's summed log-likelihood
+        assert float(sample["resps"][0][0]) == float(theirs)
+        worst = max(worst, rel(record["nll"], -float(theirs)))
+        np.testing.assert_allclose(record["nll"], -float(theirs), rtol=1e-4)
+        assert record["tokens"] == len(ev.tokenizer.encode(sample["doc"]["text"]))
+    print(f"ppl: {len(rows)} documents, max relative nll difference {worst:.2e}")
+
+
+@needs_lm_eval
+def test_multiple_choice_matches_lm_eval(runs):
+    samples, ours, ev, _ = runs
+    rows = samples["ours_mc"]
+    assert len(ev.tokenizer.encode(LM_MC[-2]["context"])) > CONTEXT  # lm-eval and we cut it from the left
+    assert [s["doc"]["context"] for s in rows] == [m["context"] for m in LM_MC]
+    worst, gaps = 0.0, []
+    for sample, record, doc in zip(rows, ours["mc"].records, LM_MC):
+        # lm-eval's requests: (context, target_delimiter "" + the choice exactly as given)
+        assert [tuple(a) for a in sample["arguments"]] == [(doc["context"], c) for c in doc["choices"]]
+        theirs = [float(r[0]) for r in sample["filtered_resps"]]
+        assert len(theirs) == len(doc["choices"]) == len(record["loglik"])
+        for ll, t in zip(record["loglik"], theirs):
+            worst = max(worst, rel(ll, t))
+        np.testing.assert_allclose(record["loglik"], theirs, rtol=1e-4)
+        top = np.sort(theirs)[-2:]
+        gaps.append(top[1] - top[0])
+        assert record["pred"] == int(np.argmax(theirs))
+        assert record["score"] == sample["acc"]
+        assert record["acc_norm"] == sample["acc_norm"]
+        # acc_norm: log-likelihood / len(choice) in characters (not tokens, not bytes)
+        lens = np.array([float(len(c)) for c in doc["choices"]])
+        assert record["acc_norm"] == float(np.argmax(np.array(theirs) / lens) == doc["gold"])
+    assert min(gaps) > 1e-3, "near-tie between choices: the pred comparison would be fragile"
+    accs = [r["score"] for r in ours["mc"].records], [s["acc"] for s in rows]
+    norms = [r["acc_norm"] for r in ours["mc"].records], [s["acc_norm"] for s in rows]
+    print(f"mc: {sum(map(len, (m['choices'] for m in LM_MC)))} choices, max relative loglik difference "
+          f"{worst:.2e}; acc ours/lm-eval {accs}; acc_norm {norms}; min top-2 gap {min(gaps):.3f}")
+    # a meaningful check: acc and acc_norm differ on some sample
+    assert accs[0] != norms[0]
+
+
+def greedy_gaps(model_dir, ev, prompt):
+    """transformers' greedy top-1/top-2 logit gaps over LM_GEN_NEW steps from the left-cut prompt."""
+    from transformers import GPT2LMHeadModel
+    hf = GPT2LMHeadModel.from_pretrained(model_dir, local_files_only=True).eval()
+    ids = (ev.tokenizer.encode(prompt) or [ev.prefix_id])[-(CONTEXT - LM_GEN_NEW):]
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = hf.generate(input_ids=torch.tensor([ids]), max_new_tokens=LM_GEN_NEW, do_sample=False,
+                          pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    top2 = np.sort(np.stack([s[0].float().numpy() for s in out.logits]), -1)[:, -2:]
+    return top2[:, 1] - top2[:, 0]
+
+
+@needs_lm_eval
+def test_greedy_generation_matches_lm_eval(runs):
+    samples, ours, ev, model_dir = runs
+    rows = samples["ours_gen"]
+    assert [s["doc"]["prompt"] for s in rows] == [g["prompt"] for g in LM_GEN]
+    assert ours["gen"].records[-1]["truncated"]
+    compared, outputs = 0, []
+    for sample, record, doc in zip(rows, ours["gen"].records, LM_GEN):
+        (theirs,) = sample["filtered_resps"]
+        outputs.append((record["output"], theirs))
+        if record["output"] != theirs:  # allowed only where float noise could flip a step
+            assert greedy_gaps(model_dir, ev, doc["prompt"]).min() < 1e-3, (doc["prompt"], record["output"], theirs)
+            continue
+        compared += 1
+        assert record["score"] == float(sample["exact_match"])
+    print(f"gen: {compared}/{len(rows)} greedy outputs identical: {outputs}")
+    assert compared >= len(rows) - 1
+    assert any(o for o, _ in outputs), "all outputs empty: the comparison says little"
+
+
+@needs_lm_eval
+def test_bos_adding_tokenizer_follows_lm_eval_except_its_double_bos(workdir, tmp_path):
+    """A tokenizer that prepends BOS (Llama, Mistral): multiple-choice contexts start with it,
+    exactly as lm-eval 0.4 scores them. For perplexity we prepend BOS once; lm-eval also lets
+    the tokenizer add it, scoring p(BOS | BOS) and shifting windows (its issue #3333)."""
+    from tokenizers import Tokenizer, processors
+    model_dir, task_dir = workdir
+    bos_dir = str(tmp_path / "bos")
+    shutil.copytree(model_dir, bos_dir)
+    tok = Tokenizer.from_file(os.path.join(bos_dir, "tokenizer.json"))
+    bos = tok.token_to_id(EOT)
+    tok.post_processor = processors.TemplateProcessing(single=f"{EOT} $A", pair=f"{EOT} $A $B",
+                                                       special_tokens=[(EOT, bos)])
+    tok.save(os.path.join(bos_dir, "tokenizer.json"))
+    samples = run_lm_eval(bos_dir, task_dir, ["ours_mc"])
+    ev = our_evaluator(bos_dir)
+    assert ev.tokenizer.encode("Hello")[0] == bos  # the tokenizer really adds BOS
+    mc = evaluate.MultipleChoiceEvaluation("mc", LM_MC).result(ev, ev.tokenizer)
+    for record, sample in zip(mc.records, samples["ours_mc"]):
+        np.testing.assert_allclose(record["loglik"], [float(r[0]) for r in sample["filtered_resps"]], rtol=1e-4)
+    ppl = evaluate.PerplexityEvaluation("ppl", LM_DOCS).result(ev, ev.tokenizer)
+    plain = evaluate.PerplexityEvaluation("ppl", LM_DOCS).result(our_evaluator(model_dir), ev.tokenizer)
+    assert [r["nll"] for r in ppl.records] == [r["nll"] for r in plain.records]  # BOS once, not twice
+
+
+# ---- reliability: bad input, interruption, the same answer everywhere
+
+def assert_usage_error(proc, *needles, out=None):
+    """Exit 2, one line on stderr naming the problem, no traceback, no results written."""
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    if out is not None:
+        assert not (Path(out) / "results.json").exists()
+
+
+def save_tiny(path, scale=1.0, **fields):
+    model = gpt.GPT(**{**SMALL, **fields})
+    mesh = gpt.make_mesh(1, 1, devices=jax.devices()[:1])
+    variables = jax.tree.map(lambda x: x * scale, gpt.init_params(model, mesh, seed=1))
+    jobs.save_checkpoint(str(path), model, variables, {"kind": "bytes"})
+    return path
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return save_tiny(tmp_path_factory.mktemp("rel") / "tiny", scale=4.0)
+
+
+def broken_checkpoints(ckpt, tmp):
+    """(directory, words the error must contain) for every way a checkpoint can be bad."""
+    import shutil
+    from safetensors.numpy import load_file, save_file
+
+    def copy(name):
+        target = tmp / name
+        shutil.copytree(ckpt, target)
+        return target
+
+    cases = [(tmp / "missing", ["does not exist"])]
+    empty = tmp / "empty"
+    empty.mkdir()
+    cases.append((empty, ["no config.json"]))
+    bad_json = copy("badjson")
+    (bad_json / "config.json").write_text("{not json")
+    cases.append((bad_json, ["config.json", "not valid JSON"]))
+    truncated = copy("truncated")
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
+    cases.append((truncated, ["model.safetensors"]))
+    garbage = copy("garbage")
+    (garbage / "model.safetensors").write_bytes(b"this is not safetensors at all")
+    cases.append((garbage, ["model.safetensors"]))
+    weights = load_file(str(ckpt / "model.safetensors"))
+    missing = copy("missingparam")
+    save_file({k: v for k, v in weights.items() if k != "ln_f/scale"}, str(missing / "model.safetensors"))
+    cases.append((missing, ["ln_f/scale", "missing"]))
+    shape = copy("badshape")
+    save_file({**weights, "ln_f/scale": np.ones(3, np.float32)}, str(shape / "model.safetensors"))
+    cases.append((shape, ["ln_f/scale", "shape"]))
+    small = copy("smallvocab")
+    config = json.loads((small / "config.json").read_text())
+    config["model"]["vocab_size"] = 200  # the byte tokenizer needs 257
+    (small / "config.json").write_text(json.dumps(config))
+    save_file({**weights, "wte/embedding": weights["wte/embedding"][:200]}, str(small / "model.safetensors"))
+    cases.append((small, ["tokenizer", "257", "200"]))
+    return cases
+
+
+def test_bad_checkpoints_fail_with_one_line(ckpt, tmp_path):
+    for directory, needles in broken_checkpoints(ckpt, tmp_path):
+        assert_usage_error(cli("--ckpt", directory, "--evals", "grammar", "--limit", "2", "--out",
+                               tmp_path / "o"), *needles, out=tmp_path / "o")
+
+
+def bad_datasets(tmp):
+    cases = [("nope", write_jsonl(tmp / "x.jsonl", [{"text": "a"}]), ["unknown kind", "nope"]),
+             ("ppl", tmp / "absent.jsonl", ["does not exist"]),
+             ("ppl", write_jsonl(tmp / "empty.jsonl", []), ["empty"]),
+             ("ppl", write_jsonl(tmp / "notjson.jsonl", [{"text": "a"}, "{oops\n"]), ["notjson.jsonl:2", "not JSON"]),
+             ("mc", write_jsonl(tmp / "nofield.jsonl", [{"context": "a", "choices": ["x", "y"]}]),
+              ["nofield.jsonl:1", "gold"]),
+             ("gen", write_jsonl(tmp / "type.jsonl", [{"prompt": "a", "answer": 3}]), ["type.jsonl:1", "answer"]),
+             ("mc", write_jsonl(tmp / "gold.jsonl", [{"context": "a", "choices": ["x", "y"], "gold": 2}]),
+              ["gold.jsonl:1", "gold"]),
+             ("mc", write_jsonl(tmp / "one.jsonl", [{"context": "a", "choices": ["x"], "gold": 0}]),
+              ["one.jsonl:1", "choices"])]
+    utf = tmp / "latin1.jsonl"
+    utf.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    cases.append(("ppl", utf, ["latin1.jsonl:2", "UTF-8"]))
+    return cases
+
+
+def test_bad_datasets_fail_with_one_line(ckpt, tmp_path):
+    for kind, path, needles in bad_datasets(tmp_path):
+        assert_usage_error(cli("--ckpt", ckpt, "--data", f"{kind}:{path}", "--out", tmp_path / "o"),
+                           *needles, out=tmp_path / "o")
+
+
+BAD_OPTIONS = [
+    (["--evals", "grammar,nope"], ["nope", "grammar", "addition"]),
+    (["--mesh", "3x3"], ["mesh", "9 devices"]),
+    (["--mesh", "fourxtwo"], ["mesh", "BATCHxSHARD"]),
+    (["--batch-size", "0"], ["--batch-size"]),
+    (["--limit", "-1"], ["--limit"]),
+    (["--max-new-tokens", "0"], ["--max-new-tokens"]),
+    (["--temperature", "-0.5"], ["--temperature"]),
+    (["--top-p", "0"], ["--top-p"]),
+    (["--top-p", "1.5"], ["--top-p"]),
+    (["--batch-size", "many"], ["--batch-size", "int"]),
+    (["--colour", "red"], ["unknown option", "--colour"]),
+    (["--dtype", "int8"], ["--dtype"]),
+    (["--data", "nocolon.jsonl"], ["KIND:FILE"]),
+]
+
+
+@pytest.mark.parametrize("args,needles", BAD_OPTIONS, ids=[" ".join(a) for a, _ in BAD_OPTIONS])
+def test_bad_options_fail_with_one_line(ckpt, tmp_path, args, needles):
+    assert_usage_error(cli("--ckpt", ckpt, "--out", tmp_path / "o", *args), *needles, out=tmp_path / "o")
+
+
+def test_awkward_inputs_are_handled_and_counted(ckpt, tmp_path):
+    long_doc = "the cat sees the dog. " * 20  # 440 bytes > 64-token context: rolling windows
+    docs = write_jsonl(tmp_path / "docs.jsonl", [{"text": ""}, {"text": long_doc}, {"text": "hi"}])
+    gen = write_jsonl(tmp_path / "long.jsonl", [{"prompt": "x" * 200, "answer": "y"}, {"prompt": "1", "answer": "2"}])
+    proc = cli("--ckpt", ckpt, "--data", f"ppl:{docs}", "--data", f"gen:{gen}", "--out", tmp_path / "o",
+               "--log-samples", "--max-new-tokens", "4", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads((tmp_path / "o" / "results.json").read_text())
+    assert results["metrics"]["docs"]["skipped"] == 1 and results["n_samples"]["docs"] == 2
+    assert results["metrics"]["docs"]["tokens"] == len(long_doc) + 2  # every byte scored once
+    assert results["metrics"]["long"]["truncated"] == 1
+
+
+def test_non_finite_scores_are_an_error(tmp_path):
+    broken = save_tiny(tmp_path / "nan", scale=float("nan"))
+    assert_usage_error(cli("--ckpt", broken, "--evals", "text", "--limit", "4", "--out", tmp_path / "o"),
+                       "text", "non-finite", out=tmp_path / "o")
+
+
+def long_run_args(ckpt, tmp_path, out):
+    docs = write_jsonl(tmp_path / "many.jsonl", [{"text": f"document {i} " * 30} for i in range(3000)])
+    return ["--ckpt", ckpt, "--data", f"ppl:{docs}", "--out", out, "--batch-size", "1", "--chunks", "1"]
+
+
+def start_cli(*args):
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    return subprocess.Popen([sys.executable, str(ROOT / "evaluate.py"), *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+def test_interrupted_run_leaves_previous_results_or_none(ckpt, tmp_path, sig):
+    out = tmp_path / "o"
+    args = long_run_args(ckpt, tmp_path, out)
+    for previous in (None, b'{"results": {"earlier": 1.0}}\n'):
+        if previous is not None:
+            out.mkdir(exist_ok=True)
+            (out / "results.json").write_bytes(previous)
+        proc = start_cli(*args, "--force")
+        time.sleep(12)  # past start-up and compilation, midway through scoring
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+        if sig == signal.SIGINT:
+            assert proc.returncode == 130 and err.strip().splitlines()[-1].startswith("interrupted"), err
+            assert "Traceback" not in err
+        files = sorted(p.name for p in out.iterdir()) if out.exists() else []
+        assert files == ([] if previous is None else ["results.json"]), files  # no temporary left
+        if previous is not None:
+            assert (out / "results.json").read_bytes() == previous
+
+
+def results_of(out):
+    return json.loads((Path(out) / "results.json").read_text())["results"]
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("suite")
+    docs = write_jsonl(tmp / "docs.jsonl", [{"text": f"the {w} sees {i} dogs. " * (1 + i % 5)}
+                                      for i, w in enumerate(["cat", "king", "robot"] * 4)])
+    gen = write_jsonl(tmp / "qa.jsonl", [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(10)])
+    return ["--data", f"ppl:{docs}", "--data", f"gen:{gen}", "--evals", "grammar,repeat", "--limit", "24",
+            "--max-new-tokens", "6"]
+
+
+def test_same_scores_twice_and_on_every_mesh(ckpt, suite, tmp_path):
+    runs = {}
+    for name, mesh in [("a", "1x1"), ("b", "1x1"), ("c", "8x1"), ("d", "4x2"), ("e", "2x4")]:
+        devices = 1 if mesh == "1x1" else 8
+        proc = cli("--ckpt", ckpt, *suite, "--mesh", mesh, "--out", tmp_path / name, "--quiet",
+                   "--batch-size", "3", devices=devices)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        runs[name] = results_of(tmp_path / name)
+    assert runs["a"] == runs["b"]
+    for name in "cde":
+        for key, value in runs["a"].items():
+            if key == "docs":
+                np.testing.assert_allclose(runs[name][key], value, rtol=1e-5)
+            else:
+                assert runs[name][key] == value, (name, key)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_give_the_single_process_scores(ckpt, suite, tmp_path):
+    port = free_port()
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "evaluate.py"), "--ckpt", str(ckpt), *suite,
+                               "--out", str(tmp_path / "multi"), "--quiet", "--temperature", "0.7",
+                               "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+                               "--process-id", str(i)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-2000:]
+    single = cli("--ckpt", ckpt, *suite, "--out", tmp_path / "single", "--quiet", "--temperature", "0.7",
+                 devices=4)
+    assert single.returncode == 0, single.stderr[-2000:]
+    multi, one = results_of(tmp_path / "multi"), results_of(tmp_path / "single")
+    assert multi.keys() == one.keys()
+    for key in one:
+        np.testing.assert_allclose(multi[key], one[key], rtol=1e-5)
+    assert json.loads((tmp_path / "multi" / "results.json").read_text())["processes"] == 2
+
+
+def test_sampling_is_reproducible_and_independent_of_batch_and_mesh(ckpt, tmp_path):
+    gen = write_jsonl(tmp_path / "qa.jsonl", [{"prompt": f"{i}+", "answer": "x"} for i in range(7)])
+    outputs = []
+    for batch, mesh, devices in [(1, "1x1", 1), (4, "1x1", 1), (3, "4x2", 8)]:
+        out = tmp_path / f"s{batch}{mesh}"
+        proc = cli("--ckpt", ckpt, "--data", f"gen:{gen}", "--temperature", "1.0", "--top-p", "0.9",
+                   "--seed", "5", "--batch-size", batch, "--mesh", mesh, "--out", out, "--log-samples",
+                   "--max-new-tokens", "8", "--quiet", devices=devices)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        outputs.append([json.loads(l)["output"] for l in (out / "samples.jsonl").read_text().splitlines()])
+    assert outputs[0] == outputs[1] == outputs[2]
+    assert len(set(outputs[0])) > 1  # it really sampled
+
+
+def test_killed_training_leaves_a_loadable_checkpoint(tmp_path):
+    out = tmp_path / "train"
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "jobs.py"), "gpt/train/pretrain", "--out", str(out),
+                             "--steps", "100000", "--ckpt-every", "2", "--batch-size", "4", "--seq-len", "32",
+                             "--n-layers", "1", "--n-embd", "32", "--quiet"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (out / "model.safetensors").exists() and time.time() < deadline:
+        time.sleep(0.5)
+    time.sleep(3)
+    proc.kill()
+    proc.communicate()
+    mesh = gpt.make_mesh(1, 1, devices=jax.devices()[:1])
+    model, variables, config = jobs.load_checkpoint(str(out), mesh)
+    assert config["step"] >= 2 and model.n_embd == 32
