@@ -36,7 +36,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 import gpt
-from jobs import (ByteTokenizer, ExecutionSpec, HFTokenizer, Node, UsageError, builtin_items,
+from jobs import (ByteTokenizer, ExecutionSpec, HFTokenizer, Node, UsageError, builtin_items, exit_status,
                   flatten, is_eval_item, job, load_checkpoint, load_tokenizer, model_config,
                   parse_options, unbox_shapes)
 
@@ -1156,21 +1156,9 @@ def _is_gpt2_layout(m: gpt.GPT) -> bool:
             and (m.n_kv_head or m.n_head) == m.n_head and head_dim * m.n_head == m.n_embd)
 
 
-def export_gpt2(model: gpt.GPT, variables, path: str, tokenizer_dir=None) -> None:
-    """Write a GPT-2-layout GPT as a HuggingFace GPT-2 directory (config.json, model.safetensors,
-    and the tokenizer of `tokenizer_dir` if given) that GPT2LMHeadModel loads as is.
-
-    Weights are written in float32 with transformers' own names ("transformer." prefix,
-    Conv1D [in, out] kernels, q|k|v concatenated into c_attn; no lm_head when tied).
-    `variables` may be {"params": tree} or the tree itself, on host or on a mesh.
-    """
-    from transformers import AutoTokenizer, GPT2Config
-    if not _is_gpt2_layout(model):
-        raise UsageError("export_gpt2: the model is not GPT-2 layout (needs rope=False, gelu MLP, "
-                            "layernorm, biases, no q/k norm, no grouped heads, sequential residual)")
-    params = variables.get("params", variables)
-    params = jax.tree.map(lambda x: np.asarray(jax.device_get(x), np.float32),
-                              nn.meta.unbox(params))
+def gpt2_tensors(model: gpt.GPT, params: Dict[str, Any]) -> Dict[str, np.ndarray]:
+    """Our parameter tree under transformers' GPT-2 names: "transformer." prefix, Conv1D
+    [in, out] kernels, q|k|v side by side in c_attn, no lm_head when tied."""
     tensors = {"wte.weight": params["wte"]["embedding"], "wpe.weight": params["wpe"]["embedding"],
                "ln_f.weight": params["ln_f"]["scale"], "ln_f.bias": params["ln_f"]["bias"]}
     for i in range(model.n_layers):
@@ -1188,40 +1176,55 @@ def export_gpt2(model: gpt.GPT, variables, path: str, tokenizer_dir=None) -> Non
     tensors = {"transformer." + k: np.ascontiguousarray(v) for k, v in tensors.items()}
     if not model.tie_embeddings:
         tensors["lm_head.weight"] = np.ascontiguousarray(params["lm_head"]["kernel"].T)
+    return tensors
 
-    tokenizer = None
-    if tokenizer_dir is not None:
-        tokenizer = AutoTokenizer.from_pretrained(os.fspath(tokenizer_dir), local_files_only=True,
-                                                  trust_remote_code=False)
-        if len(tokenizer) > model.vocab_size:
-            raise UsageError(f"export_gpt2: tokenizer in {tokenizer_dir} has {len(tokenizer)} tokens, "
-                                f"more than the model's vocab_size {model.vocab_size}")
+
+def save_hf_tokenizer(tokenizer_dir: str, path: str, vocab_size: int) -> Any:
+    """Copy a tokenizer next to an exported model; returns transformers' tokenizer object."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(os.fspath(tokenizer_dir), local_files_only=True,
+                                              trust_remote_code=False)
+    if len(tokenizer) > vocab_size:
+        raise UsageError(f"export_gpt2: tokenizer in {tokenizer_dir} has {len(tokenizer)} tokens, "
+                         f"more than the model's vocab_size {vocab_size}")
+    tokenizer.save_pretrained(path)
+    # transformers 5 writes the loading options is_local/local_files_only into
+    # tokenizer_config.json; they describe this machine, not the tokenizer
+    config_file = Path(path) / "tokenizer_config.json"
+    if config_file.is_file():
+        config = json.loads(config_file.read_text())
+        for key in ("is_local", "local_files_only"):
+            config.pop(key, None)
+        config_file.write_text(json.dumps(config, indent=2))
+    return tokenizer
+
+
+def export_gpt2(model: gpt.GPT, variables, path: str, tokenizer_dir=None) -> None:
+    """Write a GPT-2-layout GPT as a HuggingFace GPT-2 directory (config.json, float32
+    model.safetensors, and the tokenizer of `tokenizer_dir` if given) that GPT2LMHeadModel
+    loads as is. `variables` may be {"params": tree} or the tree, on host or on a mesh."""
+    from transformers import GPT2Config
+
+    if not _is_gpt2_layout(model):
+        raise UsageError("export_gpt2: the model is not GPT-2 layout (needs rope=False, gelu MLP, "
+                         "layernorm, biases, no q/k norm, no grouped heads, sequential residual)")
+    params = jax.tree.map(lambda x: np.asarray(jax.device_get(x), np.float32),
+                          nn.meta.unbox(variables.get("params", variables)))
+    os.makedirs(path, exist_ok=True)
+    tokenizer = save_hf_tokenizer(tokenizer_dir, path, model.vocab_size) if tokenizer_dir else None
     eos = tokenizer.eos_token_id if tokenizer is not None else None
     bos = tokenizer.bos_token_id if tokenizer is not None else None
-    config = GPT2Config(
+    GPT2Config(
         vocab_size=model.vocab_size, n_positions=model.block_size, n_embd=model.n_embd,
         n_layer=model.n_layers, n_head=model.n_head, n_inner=model.mlp_hidden or 4 * model.n_embd,
         activation_function="gelu_new" if model.mlp == "gelu" else "gelu",
         layer_norm_epsilon=model.norm_eps, tie_word_embeddings=model.tie_embeddings,
         resid_pdrop=model.dropout, embd_pdrop=model.dropout, attn_pdrop=model.dropout,
         bos_token_id=bos if bos is not None else eos, eos_token_id=eos,
-        architectures=["GPT2LMHeadModel"], dtype="float32")
-    os.makedirs(path, exist_ok=True)
-    config.save_pretrained(path)
+        architectures=["GPT2LMHeadModel"], dtype="float32").save_pretrained(path)
     # metadata format=pt: transformers expects it in files it did not write itself
-    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    if tokenizer is not None:  # save_pretrained keeps the tokenizer's class explicit
-        tokenizer.save_pretrained(path)
-        # transformers 5 writes the loading options is_local/local_files_only into
-        # tokenizer_config.json; they describe this machine, not the tokenizer
-        config_file = os.path.join(path, "tokenizer_config.json")
-        if os.path.isfile(config_file):
-            with open(config_file) as f:
-                tok_config = json.load(f)
-            for key in ("is_local", "local_files_only"):
-                tok_config.pop(key, None)
-            with open(config_file, "w") as f:
-                json.dump(tok_config, f, indent=2)
+    save_file(gpt2_tensors(model, params), os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
 
 
 # ----------------------------------------------------------------------------- command line
@@ -1236,22 +1239,20 @@ def start_processes(a: EvaluatorConfig) -> None:
                                    process_id=a.process_id)
 
 
+def evaluate_command(argv: List[str]) -> None:
+    """`python evaluate.py ...`: a HuggingFace directory goes to BackboneEvaluate, a native
+    checkpoint or nothing (fresh weights) to Evaluate."""
+    a = parse_options(EvaluatorConfig, argv)
+    a.validate()
+    start_processes(a)
+    hf = a.ckpt is not None and Path(a.ckpt).is_dir() and not Node(a.ckpt).is_native
+    cls = BackboneEvaluate if hf else Evaluate
+    spec = ExecutionSpec(name=cls.KEY, out_dir=a.out, mesh=a.mesh, seed=a.seed, config=a)
+    cls(spec, Node(a.ckpt) if a.ckpt else None).run()
+
+
 def main(argv: List[str]) -> int:
-    try:
-        a = parse_options(EvaluatorConfig, argv)
-        a.validate()
-        start_processes(a)
-        hf = a.ckpt is not None and Path(a.ckpt).is_dir() and not Node(a.ckpt).is_native
-        cls = BackboneEvaluate if hf else Evaluate
-        spec = ExecutionSpec(name=cls.KEY, out_dir=a.out, mesh=a.mesh, seed=a.seed, config=a)
-        cls(spec, Node(a.ckpt) if a.ckpt else None).run()
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted: no results written", file=sys.stderr)
-        return 130
-    return 0
+    return exit_status(lambda: evaluate_command(argv))
 
 
 if __name__ == "__main__":

@@ -50,6 +50,9 @@ def parse_options(config_cls: type, argv: List[str]) -> Any:
     args = list(argv)
     while args:
         arg = args.pop(0)
+        if arg in ("-h", "--help"):
+            print(usage(config_cls))
+            raise SystemExit(0)
         if not arg.startswith("--"):
             raise UsageError(f"unexpected argument {arg!r}; options look like --name value")
         name, has_value, text = arg[2:].partition("=")
@@ -68,6 +71,20 @@ def parse_options(config_cls: type, argv: List[str]) -> Any:
         value = convert(text, kind, name)
         values[key] = values.get(key, []) + value if isinstance(value, list) else value
     return config_cls(**values)
+
+
+def usage(config_cls: type) -> str:
+    """Every option of a config dataclass with its type and default."""
+    hints = typing.get_type_hints(config_cls)
+    lines = [(config_cls.__doc__ or config_cls.__name__).strip().splitlines()[0], ""]
+    for f in dataclasses.fields(config_cls):
+        kind, inner = hints[f.name], typing.get_args(hints[f.name])
+        if typing.get_origin(kind) is typing.Union:  # Optional[X]: X, or nothing
+            kind = inner[0]
+        name = f"{inner[0].__name__}, repeatable" if typing.get_origin(kind) in (list, List) else kind.__name__
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        lines.append(f"  --{f.name.replace('_', '-'):18s} {name:16s} default: {default}")
+    return "\n".join(lines)
 
 
 def convert(text: str, kind: Any, name: str) -> Any:
@@ -388,8 +405,9 @@ def sentence_pair(rng: random.Random) -> Tuple[str, str, str]:
 
 
 def addition(rng: random.Random) -> Tuple[str, str]:
+    """Two-digit addition, fixed width ("07+24=" -> "031") so digits line up by position."""
     a, b = rng.randrange(100), rng.randrange(100)
-    return f"{a}+{b}=", str(a + b)
+    return f"{a:02d}+{b:02d}=", f"{a + b:03d}"
 
 
 def repeated_sequence(rng: random.Random) -> str:
@@ -418,7 +436,7 @@ def builtin_items(task: str, split: str, seed: int = 0) -> Iterator[Any]:
             yield item
 
 
-TRAINING_MIX = {"addition": 0.45, "repeat": 0.25, "grammar": 0.15, "text": 0.15}  # share of lines
+TRAINING_MIX = {"addition": 0.6, "repeat": 0.2, "grammar": 0.1, "text": 0.1}  # share of lines
 
 
 def training_text(seed: int) -> Iterator[str]:
@@ -437,6 +455,8 @@ def training_text(seed: int) -> Iterator[str]:
 
 @dataclasses.dataclass
 class TrainConfig:
+    """Options of `python jobs.py gpt/train/pretrain`."""
+
     out: str = "runs/train"
     steps: int = 600
     batch_size: int = 32
@@ -453,7 +473,7 @@ class TrainConfig:
     n_layers: int = 4
     n_embd: int = 128
     n_head: int = 4
-    rope: bool = False
+    rope: bool = True  # rotary positions learn copying and digit alignment much faster
     quiet: bool = False
 
 
@@ -595,29 +615,40 @@ class BaseTrainer:
 # ----------------------------------------------------------------------------- command line
 
 
+def exit_status(command: Callable[[], None]) -> int:
+    """Run a command-line action: 0 when it succeeds, 2 with one line on stderr for a
+    UsageError, 130 on Ctrl-C (files are written atomically, so nothing is left half done)."""
+    try:
+        command()
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: nothing partial was written", file=sys.stderr)
+        return 130
+    return 0
+
+
+def run_job(argv: List[str]) -> None:
+    """`python jobs.py KEY --opt=value ...`: build the job's config and spec, run it."""
+    key, options = argv[0], argv[1:]
+    if key not in JOBS:
+        raise UsageError(f"unknown job {key!r}; registered: {', '.join(sorted(JOBS))}")
+    cls = JOBS[key]
+    config = parse_options(cls.CONFIG, options)
+    spec = ExecutionSpec(name=key, out_dir=getattr(config, "out", "runs"),
+                         mesh=getattr(config, "mesh", None), seed=getattr(config, "seed", 0),
+                         config=config)
+    cls(spec).run()
+
+
 def main(argv: List[str]) -> int:
     """`python jobs.py` lists jobs; `python jobs.py KEY --opt=value ...` runs one."""
     if not argv:
         for key, cls in sorted(JOBS.items()):
             print(f"{key:24s} {(cls.__doc__ or '').strip().splitlines()[0]}")
         return 0
-    key, options = argv[0], argv[1:]
-    try:
-        if key not in JOBS:
-            raise UsageError(f"unknown job {key!r}; registered: {', '.join(sorted(JOBS))}")
-        cls = JOBS[key]
-        config = parse_options(cls.CONFIG, options)
-        spec = ExecutionSpec(name=key, out_dir=getattr(config, "out", "runs"),
-                             mesh=getattr(config, "mesh", None), seed=getattr(config, "seed", 0),
-                             config=config)
-        cls(spec).run()
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    return 0
+    return exit_status(lambda: run_job(argv))
 
 
 if __name__ == "__main__":
