@@ -1,0 +1,441 @@
+"""Side-by-side benchmark: this project's evaluation against HuggingFace transformers
+(PyTorch) and against the machine's own limits, all measured in one run.
+
+    python bench.py                  # GPT-2 small shape, random weights (4-5 min on 2 CPU cores)
+    python bench.py --layers 2 --width 128 --heads 4 --vocab 1000 --seq 128   # quick
+    python bench.py --json           # one JSON object of every number instead of the table
+
+What it does, in order:
+1. Compilation: the built-in suite (the 4 built-in evaluations) on the default tiny GPT,
+   run twice in this process; XLA compilations are counted with jax.monitoring, per
+   evaluation and per run, and compile time is reported apart from run time.
+2. One GPT-2-small-shaped model with random weights is made by transformers
+   (GPT2LMHeadModel, initializer_range --init-std so that greedy decoding has no near-ties),
+   saved as a HuggingFace directory, and loaded from it twice: by this project
+   (evaluate.load_backbone + gpt.place_params) and by transformers (float32, eval mode).
+3. Scoring: a PerplexityEvaluation of --batch random-token documents of --seq tokens.
+   Each document is one rolling request ([BOS] + doc[:-1] -> doc), so the project runs
+   exactly one jitted [1, batch, seq] block. Timed: the whole evaluation call (requests,
+   padding, device transfer, the jitted forward + log-softmax gather, the host copy, the
+   records), checking on the way that it ran the rows given to the other two.
+   transformers computes the same per-token log-likelihoods from the same rows
+   (log_softmax + gather under torch.no_grad), and so does a bare jax.numpy GPT-2 forward
+   written below (the ceiling for this model in jax). Summed scores must agree.
+4. Generation: greedy decoding with the KV cache, --batch prompts of --prompt tokens,
+   exactly --new-tokens new ones (the tokenizer here has no EOS): InferenceJob.rollout
+   against transformers' generate. The tokens must be identical.
+5. The float32 matmul peak (the best jitted square matmul of --matmul-sizes, raced with
+   the scorers) turns FLOP/s into MFU.
+
+Every timing is a warm-up call (which compiles), then --reps rounds in which the
+contenders take turns, so that other processes' load falls on all of them alike; the
+tables show the best (and median) of the rounds.
+FLOPs are GPT.flops(seq) / 3 (forward only; attention counted over the full T x T).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Dict, List
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import evaluate
+import gpt
+from jobs import ByteTokenizer, ExecutionSpec, UsageError, parse_options
+
+
+@dataclasses.dataclass
+class BenchConfig:
+    """Options of `python bench.py` (validated: unknown names and bad types fail)."""
+
+    layers: int = 12
+    width: int = 768
+    heads: int = 12
+    vocab: int = 50257
+    context: int = 1024
+    batch: int = 8
+    seq: int = 512  # tokens per scored document
+    prompt: int = 32
+    new_tokens: int = 64
+    reps: int = 3
+    init_std: float = 0.2  # GPT-2 uses 0.02; larger logits keep greedy argmaxes far from ties
+    matmul_sizes: str = "2048,4096"
+    torch_threads: int = 0  # 0: os.cpu_count(), the threads XLA's CPU client uses
+    seed: int = 0
+    json: bool = False
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def race(contenders: Dict[str, Callable[[], Any]], reps: int, log: CompileLog) -> Dict[str, Any]:
+    """Time each contender: one warm-up call (which compiles), then `reps` rounds in which
+    every contender runs once in turn, so load from other processes falls on all alike.
+    Per contender: first-call and compile seconds, best and median, the warm-up's result."""
+    out = {}
+    for name, fn in contenders.items():
+        mark, start = len(log.events), time.perf_counter()
+        result = jax.block_until_ready(fn())
+        out[name] = {"first": time.perf_counter() - start, "compile": log.since(mark)["seconds"],
+                     "out": result, "times": []}
+    for _ in range(reps):
+        for name, fn in contenders.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            out[name]["times"].append(time.perf_counter() - start)
+    for r in out.values():
+        r.update(best=min(r["times"]), median=statistics.median(r["times"]))
+    return out
+
+
+class CompileLog:
+    """Every XLA compilation jax reports (through jax.monitoring), with its durations."""
+
+    BACKEND = "/jax/core/compile/backend_compile_duration"
+    STAGES = (BACKEND, "/jax/core/compile/jaxpr_trace_duration",
+              "/jax/core/compile/jaxpr_to_mlir_module_duration")
+
+    def __init__(self) -> None:
+        self.events: List[tuple] = []  # (event, function name, seconds)
+        jax.monitoring.register_event_duration_secs_listener(self._record)
+
+    def _record(self, event: str, seconds: float, **meta: Any) -> None:
+        if event in self.STAGES:
+            self.events.append((event, meta.get("fun_name", "?"), seconds))
+
+    def since(self, mark: int) -> Dict[str, Any]:
+        """Compilations since events[mark]: count, names, and trace+lower+compile seconds."""
+        new = self.events[mark:]
+        names = [name for event, name, _ in new if event == self.BACKEND]
+        return {"compiles": len(names), "names": names, "seconds": sum(s for _, _, s in new)}
+
+
+# ----------------------------------------------------------------------------- compilation
+
+
+def evaluator_for(model, variables, tokenizer, mesh, evaluations, batch_size: int) -> evaluate.Evaluator:
+    """The project's Evaluator over parameters in memory; nothing is written (only run() writes)."""
+    spec = ExecutionSpec(name="gpt/evaluate")
+    config = evaluate.EvaluatorConfig(batch_size=batch_size, quiet=True)
+    return evaluate.Evaluate.from_parts(spec, model, variables, tokenizer, mesh, evaluations, config)
+
+
+def compile_counts(log: CompileLog) -> Dict[str, Any]:
+    """Compilations and seconds of the built-in suite on the default tiny GPT, run twice
+    on one Evaluator (the second run should compile nothing)."""
+    mesh = gpt.make_mesh()
+    model = gpt.GPT()
+    variables = gpt.init_params(model, mesh, seed=0)
+    evaluations = [evaluate.builtin_evaluation(name) for name in evaluate.BUILTIN]
+    evaluator = evaluator_for(model, variables, ByteTokenizer(), mesh, evaluations, batch_size=8)
+    runs = []
+    for _ in range(2):
+        per_eval = {}
+        for e in evaluations:
+            mark, start = len(log.events), time.perf_counter()
+            e.result(evaluator, evaluator.tokenizer, **evaluator.decoding())
+            per_eval[e.name] = dict(log.since(mark), wall=time.perf_counter() - start, kind=e.kind)
+        runs.append(per_eval)
+    return {"runs": runs}
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+class IdTokenizer:
+    """Text is token ids separated by spaces: random-token documents without a vocabulary.
+    BOS is GPT-2's <|endoftext|> (the perplexity prefix); no EOS, so rollouts never stop early."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size, self.bos_token_id, self.eos_token_id = vocab_size, vocab_size - 1, None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> List[int]:
+        return [int(t) for t in text.split()]  # there are no special tokens to add
+
+    def decode(self, ids: List[int]) -> str:
+        return " ".join(map(str, ids))
+
+
+def save_hf_model(a: BenchConfig, path: str) -> None:
+    """A randomly initialized transformers GPT-2 written as a HuggingFace directory."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(a.seed)
+    config = GPT2Config(vocab_size=a.vocab, n_positions=a.context, n_embd=a.width, n_layer=a.layers,
+                        n_head=a.heads, initializer_range=a.init_std, bos_token_id=a.vocab - 1,
+                        eos_token_id=a.vocab - 1)
+    GPT2LMHeadModel(config).save_pretrained(path)
+
+
+def load_models(a: BenchConfig, path: str):
+    """(GPT, variables on the mesh, the mesh, transformers' model) from one HuggingFace directory."""
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    model, host = evaluate.load_backbone(path, "float32")
+    mesh = gpt.make_mesh()
+    variables = gpt.place_params(model, mesh, host)
+    torch.set_num_threads(a.torch_threads or os.cpu_count())
+    hf = GPT2LMHeadModel.from_pretrained(path, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # like the project's rollout here: never stop early
+    return model, variables, mesh, hf
+
+
+# ----------------------------------------------------------------------------- scoring
+
+
+def bare_loglik(params: Any, tokens_BT: jax.Array, targets_BT: jax.Array, n_head: int) -> jax.Array:
+    """Summed log-likelihood of targets per row [B]: GPT-2 written in plain jax.numpy."""
+    B, T = tokens_BT.shape
+
+    def norm(x_BTD, p):
+        mean = x_BTD.mean(-1, keepdims=True)
+        var = ((x_BTD - mean) ** 2).mean(-1, keepdims=True)
+        return (x_BTD - mean) * jax.lax.rsqrt(var + 1e-5) * p["scale"] + p["bias"]
+
+    def dense(x, p):
+        return x @ p["kernel"] + p["bias"]
+
+    wte_VD = params["wte"]["embedding"]
+    x_BTD = wte_VD[tokens_BT] + params["wpe"]["embedding"][:T][None]
+    causal_TS = jnp.tril(jnp.ones((T, T), bool))
+    n_layers = sum(name.startswith("blocks_") for name in params)
+    for i in range(n_layers):
+        p = params[f"blocks_{i}"]
+        h_BTD = norm(x_BTD, p["ln_1"])
+        q_BTHE, k_BSHE, v_BSHE = (dense(h_BTD, p["attn"][n]).reshape(B, T, n_head, -1) for n in "qkv")
+        s_BHTS = jnp.einsum("bthe,bshe->bhts", q_BTHE, k_BSHE) / np.sqrt(q_BTHE.shape[-1])
+        s_BHTS = jnp.where(causal_TS[None, None], s_BHTS, -jnp.inf)
+        y_BTHE = jnp.einsum("bhts,bshe->bthe", jax.nn.softmax(s_BHTS, -1), v_BSHE)
+        x_BTD = x_BTD + dense(y_BTHE.reshape(B, T, -1), p["attn"]["o"])
+        h_BTF = jax.nn.gelu(dense(norm(x_BTD, p["ln_2"]), p["mlp"]["up"]), approximate=True)
+        x_BTD = x_BTD + dense(h_BTF, p["mlp"]["down"])
+    logits_BTV = norm(x_BTD, params["ln_f"]) @ wte_VD.T
+    logp_BTV = jax.nn.log_softmax(logits_BTV, -1)
+    return jnp.take_along_axis(logp_BTV, targets_BT[..., None], -1)[..., 0].sum(-1)
+
+
+def hf_loglik(hf: Any, tokens_BT: np.ndarray, targets_BT: np.ndarray) -> np.ndarray:
+    """Summed log-likelihood of targets per row [B] from transformers."""
+    import torch
+
+    with torch.no_grad():
+        logits_BTV = hf(torch.from_numpy(tokens_BT).long()).logits
+        logp_BTV = torch.log_softmax(logits_BTV, -1)
+        return logp_BTV.gather(-1, torch.from_numpy(targets_BT).long()[..., None])[..., 0].sum(-1).numpy()
+
+
+def matmul_contenders(sizes: List[int]) -> Dict[str, Callable[[], Any]]:
+    """Jitted float32 square matmuls, one per size: the FLOP/s ceiling (MFU's denominator)."""
+    matmul = jax.jit(jnp.matmul)
+    arrays = {n: jax.random.normal(jax.random.key(0), (n, n), jnp.float32) for n in sizes}
+    return {f"matmul_{n}": (lambda a_NN=a_NN: matmul(a_NN, a_NN)) for n, a_NN in arrays.items()}
+
+
+def bench_scoring(a: BenchConfig, model, variables, mesh, hf, log: CompileLog) -> Dict[str, Any]:
+    """Tokens/s of the three scorers on the same rows, raced with the matmul peak;
+    asserts that their summed log-likelihoods agree."""
+    tokenizer = IdTokenizer(a.vocab)
+    docs_BT = np.random.default_rng(a.seed).integers(0, a.vocab, (a.batch, a.seq), dtype=np.int32)
+    dataset = [{"text": tokenizer.decode(doc.tolist())} for doc in docs_BT]
+    evaluation = evaluate.PerplexityEvaluation("random", dataset)
+    evaluator = evaluator_for(model, variables, tokenizer, mesh, [evaluation], a.batch)
+    tokens_BT = np.concatenate([np.full((a.batch, 1), tokenizer.bos_token_id, np.int32), docs_BT[:, :-1]], 1)
+
+    def project():  # the whole evaluation: requests, padding, transfer, jitted scan, records
+        result = evaluation.result(evaluator, tokenizer, keep_rows=True)
+        ran_BT = np.stack([tokens_RT[0] for tokens_RT, _ in result.intermediates])  # one request each
+        assert np.array_equal(ran_BT, tokens_BT), "the project scored other rows than the others"
+        return -sum(r["nll"] for r in result.records)
+
+    bare = jax.jit(lambda p, x, y: bare_loglik(p, x, y, model.n_head))
+    x, y = jnp.asarray(tokens_BT), jnp.asarray(docs_BT)
+    sizes = [int(n) for n in a.matmul_sizes.split(",")]
+    out = race({"project": project, "transformers": lambda: hf_loglik(hf, tokens_BT, docs_BT),
+                "bare_jax": lambda: bare(variables["params"], x, y), **matmul_contenders(sizes)},
+               a.reps, log)
+    matmuls = {n: out.pop(f"matmul_{n}") for n in sizes}
+    size = max(sizes, key=lambda n: n ** 3 / matmuls[n]["best"])
+    peak = {"size": size, "flops_per_s": 2 * size ** 3 / matmuls[size]["best"]}
+    sums = {name: float(np.sum(np.asarray(r.pop("out"), np.float64))) for name, r in out.items()}
+    for name, value in sums.items():
+        rel = abs(value - sums["transformers"]) / abs(sums["transformers"])
+        assert rel < 1e-4, f"summed log-likelihood: {name} {value} vs transformers {sums['transformers']}"
+        out[name].update(loglik=value, rel_diff=rel)
+    flops = model.bind(variables).flops(a.seq) / 3 * a.batch  # forward only
+    for r in out.values():
+        r.update(tokens_per_s=a.batch * a.seq / r["best"], flops_per_s=flops / r["best"])
+    return {"flops": flops, "peak": peak, **out}
+
+
+# ----------------------------------------------------------------------------- generation
+
+
+def hf_generate(hf: Any, prompts_BP: np.ndarray, n_new: int) -> np.ndarray:
+    """transformers' greedy decoding of exactly n_new tokens: the new tokens [B, N]."""
+    import torch
+
+    ids = torch.from_numpy(prompts_BP).long()
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, use_cache=True,
+                          max_new_tokens=n_new, min_new_tokens=n_new, pad_token_id=0)
+    return out[:, prompts_BP.shape[1]:].numpy()
+
+
+def hf_step_logits(hf: Any, prompts_BP: np.ndarray, new_BN: np.ndarray) -> np.ndarray:
+    """The logits each greedy step chose from [B, N, V], by one teacher-forced forward."""
+    import torch
+
+    ids = torch.from_numpy(np.concatenate([prompts_BP, new_BN[:, :-1]], 1)).long()
+    with torch.no_grad():
+        return hf(ids).logits[:, prompts_BP.shape[1] - 1:].numpy()
+
+
+def tie_report(ours_BN: np.ndarray, theirs_BN: np.ndarray, logits_BNV: np.ndarray) -> Dict[str, Any]:
+    """Whether the tokens agree; the smallest top1-top2 logit gap of transformers' steps; and
+    where the tokens first differ, that step and its gap (a near-tie explains a difference)."""
+    top2_BN2 = np.sort(logits_BNV, -1)[..., -2:]
+    gap_BN = top2_BN2[..., 1] - top2_BN2[..., 0]
+    report = {"identical": bool(np.array_equal(ours_BN, theirs_BN)), "min_gap": float(gap_BN.min())}
+    if not report["identical"]:
+        differs_BN = ours_BN != theirs_BN
+        step = int(differs_BN.any(0).argmax())
+        row = int(differs_BN[:, step].argmax())
+        report.update(first_diff={"row": row, "step": step}, gap_at_diff=float(gap_BN[row, step]))
+    return report
+
+
+def bench_generation(a: BenchConfig, model, variables, mesh, hf, log: CompileLog) -> Dict[str, Any]:
+    """New tokens/s of the project's rollout and transformers' generate on the same prompts;
+    asserts that the tokens are identical unless a near-tie explains the difference."""
+    tokenizer = IdTokenizer(a.vocab)
+    prompts_BP = np.random.default_rng(a.seed + 1).integers(0, a.vocab, (a.batch, a.prompt), dtype=np.int32)
+    evaluator = evaluator_for(model, variables, tokenizer, mesh, [], a.batch)
+
+    def project():  # the evaluation's rollout: padding, transfer, jitted prefill + while_loop
+        outputs = evaluator.rollout(enumerate(prompts_BP.tolist()), a.new_tokens, 0.0, 1.0, a.seed)
+        return np.array([new for _, new, _, _ in outputs])
+
+    out = race({"project": project,
+                "transformers": lambda: hf_generate(hf, prompts_BP, a.new_tokens)}, a.reps, log)
+    ours, theirs = out["project"].pop("out"), out["transformers"].pop("out")
+    check = tie_report(ours, theirs, hf_step_logits(hf, prompts_BP, theirs))
+    # float32 sums in another order move logits by ~1e-5 relative: only a near-tie may flip
+    assert check["identical"] or check["gap_at_diff"] < 1e-3, f"generated tokens differ: {check}"
+    for r in out.values():
+        r["tokens_per_s"] = a.batch * a.new_tokens / r["best"]
+    return {"check": check, **out}
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def row(name: str, x: Dict[str, Any]) -> str:
+    """name, first-call s, compile s (none for eager torch), best s, median s."""
+    compile_s = "-" if name == "transformers" else f"{x['compile']:.2f}"
+    return f"  {name:14s} {x['first']:8.2f} {compile_s:>8s} {x['best']:7.2f} {x['median']:7.2f}"
+
+
+def scoring_table(a: BenchConfig, s: Dict[str, Any]) -> List[str]:
+    peak = s["peak"]["flops_per_s"]
+    lines = [f"matmul peak: {peak / 1e9:.1f} GFLOP/s float32 "
+             f"(jitted {s['peak']['size']}^2, raced with scoring)",
+             "", f"scoring {a.batch} x {a.seq} tokens, forward + log-softmax gather "
+             f"({s['flops'] / 1e9:.1f} GFLOP per call, forward only)",
+             f"  {'':14s} {'first s':>8s} {'compile':>8s} {'best s':>7s} {'median':>7s} {'tokens/s':>9s} "
+             f"{'GFLOP/s':>8s} {'MFU':>6s} {'vs bare':>8s}"]
+    for name in ("project", "transformers", "bare_jax"):
+        x, bare = s[name], s["bare_jax"]
+        lines.append(f"{row(name, x)} {x['tokens_per_s']:9.0f} {x['flops_per_s'] / 1e9:8.1f} "
+                     f"{x['flops_per_s'] / peak:6.1%} {x['tokens_per_s'] / bare['tokens_per_s']:8.2f}")
+    lines.append(f"  summed log-likelihood {s['transformers']['loglik']:.2f}; relative difference to "
+                 f"transformers: project {s['project']['rel_diff']:.1e}, bare jax {bare['rel_diff']:.1e}")
+    return lines
+
+
+def generation_table(a: BenchConfig, g: Dict[str, Any]) -> List[str]:
+    lines = [f"greedy generation, KV cache: {a.batch} prompts x {a.prompt} tokens, {a.new_tokens} new",
+             f"  {'':14s} {'first s':>8s} {'compile':>8s} {'best s':>7s} {'median':>7s} {'new tok/s':>9s} "
+             f"{'vs hf':>8s}"]
+    for name in ("project", "transformers"):
+        x = g[name]
+        lines.append(f"{row(name, x)} {x['tokens_per_s']:9.1f} "
+                     f"{x['tokens_per_s'] / g['transformers']['tokens_per_s']:8.2f}")
+    c = g["check"]
+    same = "yes" if c["identical"] else f"NO, first at {c['first_diff']}, gap there {c['gap_at_diff']:.2g}"
+    lines.append(f"  tokens identical: {same}; smallest top1-top2 logit gap {c['min_gap']:.2g}")
+    return lines
+
+
+def compilation_table(runs: List[Dict[str, Any]]) -> List[str]:
+    lines = ["compilation: the built-in suite on the default tiny GPT, twice on one Evaluator",
+             f"  {'evaluation':16s} {'run':>3s} {'compiles':>8s} {'compile s':>9s} {'run s':>7s}  compiled"]
+    for number, run in enumerate(runs, 1):
+        for name, x in run.items():
+            lines.append(f"  {name + ' (' + x['kind'] + ')':16s} {number:3d} {x['compiles']:8d} "
+                         f"{x['seconds']:9.2f} {x['wall'] - x['seconds']:7.2f}  {', '.join(x['names'])}")
+    return lines
+
+
+def table(a: BenchConfig, r: Dict[str, Any]) -> str:
+    lines = [f"model: {a.layers} layers, {a.width} wide, {a.heads} heads, vocab {a.vocab}, context "
+             f"{a.context}, {r['params'] / 1e6:.1f}M parameters, float32, random weights (std {a.init_std})",
+             f"machine: {r['cpus']} CPUs (load average {r['load'][0]:.1f} -> {r['load'][1]:.1f}); "
+             f"jax {jax.__version__}, torch {r['torch']} ({r['torch_threads']} threads), "
+             f"transformers {r['transformers']} (attention: {r['hf_attention']})",
+             *scoring_table(a, r["scoring"]), "", *generation_table(a, r["generation"]), "",
+             *compilation_table(r["compilation"]["runs"])]
+    if max(r["load"]) > r["cpus"]:
+        lines += ["", f"note: the machine was busy (load average up to {max(r['load']):.1f} on {r['cpus']} "
+                  "CPUs): numbers are noisy, transformers' most (its threads wait on each other; "
+                  "compare --torch-threads 1)"]
+    lines.append(f"\nbench ran {r['seconds']:.0f} s")
+    return "\n".join(lines)
+
+
+def main(argv: List[str]) -> int:
+    try:
+        a = parse_options(BenchConfig, argv)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    import torch
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    started = time.perf_counter()
+    say = lambda text: print(f"[{time.perf_counter() - started:5.0f} s] {text}", file=sys.stderr, flush=True)
+    say(f"bench {dataclasses.asdict(a)}")
+    log = CompileLog()
+    results: Dict[str, Any] = {"config": dataclasses.asdict(a), "cpus": os.cpu_count(),
+                               "load": [os.getloadavg()[0]], "torch": torch.__version__,
+                               "transformers": transformers.__version__}
+    say("compilation: the built-in suite on the default tiny GPT, twice")
+    results["compilation"] = compile_counts(log)
+    say("making the random GPT-2 and loading it into the project and transformers")
+    with tempfile.TemporaryDirectory(prefix="bench-gpt2-") as path:
+        save_hf_model(a, path)
+        model, variables, mesh, hf = load_models(a, path)
+    results.update(params=gpt.count_params(variables), hf_attention=hf.config._attn_implementation,
+                   torch_threads=torch.get_num_threads())
+    say(f"scoring, raced with the matmul peak: warm-up + {a.reps} rounds")
+    results["scoring"] = bench_scoring(a, model, variables, mesh, hf, log)
+    say(f"generation: warm-up + {a.reps} rounds")
+    results["generation"] = bench_generation(a, model, variables, mesh, hf, log)
+    results["seconds"] = time.perf_counter() - started
+    results["load"].append(os.getloadavg()[0])  # other processes' load makes every number noisy
+    print(json.dumps(results, indent=2) if a.json else table(a, results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
