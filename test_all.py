@@ -605,6 +605,8 @@ def test_registry_and_jobs_cli():
     assert jobs.JOBS["gpt/evaluate"] is evaluate.Evaluate
     listing = subprocess.run([sys.executable, str(ROOT / "jobs.py")], capture_output=True, text=True)
     assert listing.returncode == 0 and "gpt/train/pretrain" in listing.stdout
+    helped = cli("--help")
+    assert helped.returncode == 0 and "--max-new-tokens" in helped.stdout and "--coordinator" in helped.stdout
     for args, needle in [(["nope/job"], "unknown job"), (["gpt/train/pretrain", "--stepz", "3"], "--stepz"),
                          (["gpt/train/pretrain", "--steps", "three"], "must be int")]:
         proc = subprocess.run([sys.executable, str(ROOT / "jobs.py"), *args], capture_output=True, text=True)
@@ -1029,8 +1031,14 @@ def test_cli_on_a_huggingface_directory(hf_models, tmp_path):
     tok = HFTokenizer(path)
     samples = [json.loads(l) for l in (tmp_path / "o" / "samples.jsonl").read_text().splitlines()]
     for sample, doc in zip(samples, HARNESS_DOCS):
-        expected = hf_document_nll(hf, tok.encode(doc["text"]), tok.eos_token_id, 128)
+        expected = hf_document_nll(hf, tok.encode(doc["text"], add_special_tokens=False), tok.eos_token_id, 128)
         np.testing.assert_allclose(sample["nll"], expected, rtol=1e-4)
+    # bfloat16 parameters and activations: the same documents, close to the float32 numbers
+    proc = cli("--ckpt", path, "--data", f"ppl:{docs}", "--out", tmp_path / "bf16", "--dtype", "bfloat16", "--quiet")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    bf16 = json.loads((tmp_path / "bf16" / "results.json").read_text())
+    assert bf16["model"]["param_dtype"] == "bfloat16"
+    np.testing.assert_allclose(bf16["results"]["docs"], results["results"]["docs"], rtol=0.05)
 
 
 # ---- scoring conventions against lm-evaluation-harness itself (offline)
