@@ -930,30 +930,26 @@ def test_pickle_only_directory_is_refused_unread(hf_models, tmp_path):
         load_backbone(str(tmp_path))
 
 
+def with_config(src, dst, **changes):
+    """Copy an HF directory, changing keys of its config.json."""
+    shutil.copytree(src, dst)
+    config_file = Path(dst) / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **changes}))
+    return str(dst)
+
+
 @needs_torch
 def test_rope_scaling_refused(hf_models, tmp_path):
-    path = str(tmp_path / "m")
-    shutil.copytree(hf_models["llama"][0], path)
-    config_file = os.path.join(path, "config.json")
-    with open(config_file) as f:
-        config = json.load(f)
-    config["rope_parameters"] = {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}
-    with open(config_file, "w") as f:
-        json.dump(config, f)
+    path = with_config(hf_models["llama"][0], tmp_path / "m",
+                       rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0})
     with pytest.raises(UsageError, match="linear"):
         load_backbone(path)
 
 
 @needs_torch
 def test_config_with_fewer_layers_than_file(hf_models, tmp_path):
-    path = str(tmp_path / "m")
-    shutil.copytree(hf_models["qwen3"][0], path)
-    config_file = os.path.join(path, "config.json")
-    with open(config_file) as f:
-        config = json.load(f)
-    config["num_hidden_layers"], config["layer_types"] = 1, ["full_attention"]
-    with open(config_file, "w") as f:
-        json.dump(config, f)
+    path = with_config(hf_models["qwen3"][0], tmp_path / "m", num_hidden_layers=1,
+                       layer_types=["full_attention"])
     with pytest.raises(UsageError, match=r"does not account for.*model\.layers\.1\."):
         load_backbone(path)
 
