@@ -549,15 +549,19 @@ class InferenceJob:
 
     # --- the jitted kernels
 
-    def forward(self, tokens: jax.Array, mask: jax.Array) -> jax.Array:
-        """Logits [B, T, V] for left-padded tokens; no dropout."""
-        logits, _ = self.model.apply(self.variables, tokens, padding_mask=mask, deterministic=True)
+    def forward(self, tokens: jax.Array, mask: jax.Array, variables: Any = None) -> jax.Array:
+        """Logits [B, T, V] for left-padded tokens (mask True at real ones); no dropout."""
+        variables = self.variables if variables is None else variables
+        logits, _ = self.model.apply(variables, tokens, padding_mask=mask, deterministic=True)
         return logits
 
     def _score_block(self, variables, tokens_CBT, targets_CBT, weights_CBT, mask_CBT):
+        """Per row of a [chunks, batch, length] block: summed log-probability of the weighted
+        targets, how many of them are the argmax, and how many there are. One lax.scan over
+        the chunks, so only one chunk's logits [batch, length, vocab] exist at a time."""
         def one_chunk(_, chunk):
             tokens, targets, weights, mask = chunk
-            logits, _ = self.model.apply(variables, tokens, padding_mask=mask, deterministic=True)
+            logits = self.forward(tokens, mask, variables)
             logprob = jnp.where(weights, -gpt.token_nll(logits, targets), 0.0)
             correct = (jnp.argmax(logits, -1) == targets) & weights
             return None, (logprob.sum(-1), correct.sum(-1), weights.sum(-1))
