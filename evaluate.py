@@ -749,6 +749,7 @@ class Evaluator(InferenceJob):
         if done.exists() and not self.args.force and is_complete(done):
             self.say(f"{done} already exists; nothing to do (use --force to redo)")
             return
+        self.spec.check_out_dir()
         started = time.time()
         results = [e.result(self, self.tokenizer, keep_rows=False, **self.decoding())
                    for e in self.evaluations]

@@ -148,6 +148,17 @@ class ExecutionSpec:
         except ValueError as e:
             raise UsageError(f"--mesh: {e}") from None
 
+    def check_out_dir(self) -> None:
+        """Make the output directory now, so an unwritable one fails before hours of work."""
+        if not self.is_main:
+            return
+        try:
+            Path(self.out_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"cannot create the output directory {self.out_dir} ({e.strerror})") from None
+        if not os.access(self.out_dir, os.W_OK):
+            raise UsageError(f"the output directory {self.out_dir} is not writable")
+
     def path(self, filename: str) -> Path:
         return Path(self.out_dir) / filename
 
@@ -617,11 +628,14 @@ class BaseTrainer:
 
 def exit_status(command: Callable[[], None]) -> int:
     """Run a command-line action: 0 when it succeeds, 2 with one line on stderr for a
-    UsageError, 130 on Ctrl-C (files are written atomically, so nothing is left half done)."""
+    UsageError or an OSError, 130 on Ctrl-C (files are written atomically, so nothing is left half done)."""
     try:
         command()
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # an unwritable --out, a full disk: the user's to fix, not a bug
+        print(f"error: {e.strerror or e}: {e.filename or ''}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted: nothing partial was written", file=sys.stderr)

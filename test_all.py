@@ -1374,6 +1374,7 @@ BAD_OPTIONS = [
     (["--colour", "red"], ["unknown option", "--colour"]),
     (["--dtype", "int8"], ["--dtype"]),
     (["--data", "nocolon.jsonl"], ["KIND:FILE"]),
+    (["--evals", "grammar", "--limit", "2", "--out", "/dev/null/results"], ["output directory", "/dev/null"]),
 ]
 
 
