@@ -37,8 +37,8 @@ from safetensors.numpy import save_file
 
 import gpt
 from jobs import (ByteTokenizer, ExecutionSpec, HFTokenizer, Node, UsageError, builtin_items, exit_status,
-                  flatten, is_eval_item, job, load_checkpoint, load_tokenizer, model_config,
-                  parse_options, unbox_shapes)
+                  first_line, flatten, is_eval_item, job, load_checkpoint, load_tokenizer,
+                  model_config, parse_options, read_config, unbox_shapes)
 
 
 @dataclasses.dataclass
@@ -845,26 +845,16 @@ def read_hf_config(path: str):
     rotary_pct vs transformers 5's rope_parameters). model_type is checked first from the
     raw JSON so that an unknown type gets our message, not transformers' one.
     """
+    raw = read_config(Path(path))  # one-line errors for a missing directory, file or bad JSON
     config_file = os.path.join(path, "config.json")
-    if not os.path.isdir(path):
-        raise UsageError(f"{path}: not a directory")
-    if not os.path.isfile(config_file):
-        raise UsageError(f"{path}: no config.json, so not a HuggingFace model directory")
-    try:
-        with open(config_file) as f:
-            raw = json.load(f)
-    except (OSError, ValueError) as e:
-        raise UsageError(f"{config_file}: unreadable JSON ({e})") from None
-    model_type = raw.get("model_type") if isinstance(raw, dict) else None
-    if model_type not in SUPPORTED:
-        raise UsageError(f"{config_file}: model_type {model_type!r} is not supported; "
-                            f"supported: {', '.join(SUPPORTED)}")
+    if raw.get("model_type") not in SUPPORTED:
+        raise UsageError(f"{config_file}: model_type {raw.get('model_type')!r} is not supported; "
+                         f"supported: {', '.join(SUPPORTED)}")
     from transformers import AutoConfig  # lazily: native checkpoints never pay for it
     try:
         return AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except Exception as e:  # transformers raises many kinds; the user needs one line
-        raise UsageError(f"{config_file}: transformers cannot read it "
-                            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        raise UsageError(f"{config_file}: transformers cannot read it ({first_line(e)})") from None
 
 
 def rope_settings(config) -> tuple:

@@ -35,6 +35,12 @@ class UsageError(Exception):
     """A problem with the user's input: printed as one line, exit status 2."""
 
 
+def first_line(error: Exception) -> str:
+    """An exception from a library as one line: its type and the first line of its message."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
 # ----------------------------------------------------------------------------- options
 
 
@@ -354,8 +360,7 @@ class HFTokenizer:
             self.tok = AutoTokenizer.from_pretrained(directory, local_files_only=True,
                                                      trust_remote_code=False)
         except Exception as e:  # transformers raises many kinds; all mean "no usable tokenizer"
-            raise UsageError(f"{directory}: cannot load its tokenizer ({type(e).__name__}: "
-                             f"{str(e).splitlines()[0] if str(e) else ''})") from None
+            raise UsageError(f"{directory}: cannot load its tokenizer ({first_line(e)})") from None
         self.directory = directory
         self.eos_token_id = self.tok.eos_token_id
         self.bos_token_id = self.tok.bos_token_id
