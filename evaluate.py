@@ -271,11 +271,11 @@ class DatasetEvaluation(Evaluation):
         if not scored:
             raise UsageError(f"evaluation {self.name}: no sample could be scored")
         value, stderr, metrics = self.aggregate(scored)
-        if not all(math.isfinite(x) for x in [value, *self.score(scored)]):
+        scores = np.array(self.score(scored), np.float64)
+        if not (math.isfinite(value) and np.isfinite(scores).all()):
             raise UsageError(f"evaluation {self.name}: non-finite score (broken weights?)")
         metrics["skipped"] = len(records) - len(scored)
-        return Result(self.name, self.kind, value, stderr, np.array(self.score(scored)), records,
-                      metrics, rows)
+        return Result(self.name, self.kind, value, stderr, scores, records, metrics, rows)
 
     def __call__(self, inference, encoding, reduce="mean", return_intermediates=False, **kwargs):
         """reduce: "mean" -> the aggregate (token-weighted for ppl/acc), "sum" -> sum of the
@@ -327,14 +327,10 @@ class PerplexityEvaluation(DatasetEvaluation):
                     "tokens": tokens, "bytes": nbytes}, rows_of(results))
 
     def aggregate(self, records):
-        nll = np.array([r["nll"] for r in records])
-        tokens = np.array([r["tokens"] for r in records], np.float64)
-        rate = nll.sum() / tokens.sum()
-        n = len(records)  # delta-method standard error of the ratio estimator, then of exp()
-        se_rate = math.sqrt(((nll - rate * tokens) ** 2).sum() * n / max(n - 1, 1)) / tokens.sum()
-        bpb = nll.sum() / (math.log(2) * sum(r["bytes"] for r in records))
-        return math.exp(rate), math.exp(rate) * se_rate, {"bits_per_byte": bpb,
-                                                          "tokens": int(tokens.sum())}
+        rate, se_rate, tokens = token_weighted(records, "nll")
+        bpb = rate * tokens / (math.log(2) * sum(r["bytes"] for r in records))
+        # exp() of the mean nll per token; its standard error by the delta method
+        return math.exp(rate), math.exp(rate) * se_rate, {"bits_per_byte": bpb, "tokens": tokens}
 
 
 class AccuracyEvaluation(PerplexityEvaluation):
@@ -355,11 +351,18 @@ class AccuracyEvaluation(PerplexityEvaluation):
                     "tokens": tokens}, rows_of(results))
 
     def aggregate(self, records):
-        correct = np.array([r["correct"] for r in records], np.float64)
-        tokens = np.array([r["tokens"] for r in records], np.float64)
-        value, n = correct.sum() / tokens.sum(), len(records)
-        se = math.sqrt(((correct - value * tokens) ** 2).sum() * n / max(n - 1, 1)) / tokens.sum()
-        return float(value), float(se), {"tokens": int(tokens.sum())}
+        value, se, tokens = token_weighted(records, "correct")
+        return value, se, {"tokens": tokens}
+
+
+def token_weighted(records: List[Dict[str, Any]], field: str) -> Tuple[float, float, int]:
+    """sum(field) / sum(tokens) over documents, the standard error of that ratio estimator
+    (documents are the independent units), and the token count."""
+    values = np.array([r[field] for r in records], np.float64)
+    tokens = np.array([r["tokens"] for r in records], np.float64)
+    rate, n = values.sum() / tokens.sum(), len(records)
+    se = math.sqrt(((values - rate * tokens) ** 2).sum() * n / max(n - 1, 1)) / tokens.sum()
+    return float(rate), float(se), int(tokens.sum())
 
 
 def encode_pair(encoding: Any, context: str, continuation: str) -> Tuple[List[int], List[int]]:

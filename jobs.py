@@ -308,8 +308,9 @@ def load_checkpoint(directory: str, mesh: jax.sharding.Mesh, dtype: Optional[str
     host = {}
     try:
         with safe_open(str(weights), framework="numpy") as f:
+            stored = set(f.keys())
             for name, shape in flatten(unbox_shapes(model)).items():
-                if name not in f.keys():
+                if name not in stored:
                     raise UsageError(f"{weights}: missing parameter {name}")
                 array = f.get_tensor(name)
                 if tuple(array.shape) != tuple(shape):
