@@ -438,7 +438,7 @@ class GPT(Module):
                  init_fn=lambda: [None] * self.n_layers, reduce_fn=lambda acc, v: _put(acc, depth, v))
 
     def unembed(self, x: jax.Array) -> jax.Array:
-        """Logits [B, T, V] in float32 (tied: the token embedding's transpose)."""
+        """Logits [..., V] of hidden states [..., D], in float32 (tied: the token embedding's transpose)."""
         if self.tie_embeddings:
             logits = self.wte.attend(x.astype(self.adtype))
         else:
@@ -462,13 +462,18 @@ class GPT(Module):
         return logits, None if targets is None else self.loss(logits, targets)
 
     def extend(self, idx: jax.Array, padding_mask: jax.Array, cache: dict) -> Tuple[jax.Array, dict]:
-        """Append idx [B, T] to a KV cache: (logits [B, T, V], updated cache). No dropout."""
+        """Append idx [B, T] to a KV cache: (logits of the last token [B, V], updated cache).
+
+        Only the last position is unembedded: decoding needs nothing else, and for a
+        prefill of T tokens the other T-1 rows of the [D, V] matmul would be wasted work.
+        No dropout.
+        """
         count_B = cache["valid"].sum(-1)  # real tokens already in the cache
         positions = count_B[:, None] + jnp.cumsum(padding_mask, -1) - 1
         positions = jnp.maximum(positions, 0)
         x = self.embed(idx, True, positions=positions)
         x, cache = self.decode(x, padding_mask, True, positions=positions, cache=cache)
-        return self.unembed(x), cache
+        return self.unembed(x[:, -1]), cache
 
     def init_cache(self, batch: int, length: int) -> dict:
         """An empty KV cache with `length` slots per sequence."""
@@ -561,7 +566,7 @@ def generate(model: GPT, params: Any, prompt_BP: jax.Array, mask_BP: jax.Array, 
     B, P = prompt_BP.shape
     N = max_new_tokens
     cache = model.init_cache(B, P + N)
-    logits_BPV, cache = model.apply(params, prompt_BP, mask_BP, cache, method=GPT.extend)
+    logits_BV, cache = model.apply(params, prompt_BP, mask_BP, cache, method=GPT.extend)
     stop = -1 if eos_id is None else eos_id
 
     def pick(logits_BV, step):
@@ -576,12 +581,12 @@ def generate(model: GPT, params: Any, prompt_BP: jax.Array, mask_BP: jax.Array, 
         step, token_B, cache, out_BN, done_B = carry
         out_BN = out_BN.at[:, step].set(token_B)
         done_B = done_B | (token_B == stop)
-        logits_B1V, cache = model.apply(params, token_B[:, None], jnp.ones((B, 1), bool), cache,
-                                        method=GPT.extend)
-        next_B = jnp.where(done_B, stop, pick(logits_B1V[:, 0], step + 1))
+        logits_BV, cache = model.apply(params, token_B[:, None], jnp.ones((B, 1), bool), cache,
+                                       method=GPT.extend)
+        next_B = jnp.where(done_B, stop, pick(logits_BV, step + 1))
         return step + 1, next_B, cache, out_BN, done_B
 
-    first_B = pick(logits_BPV[:, -1], 0)
+    first_B = pick(logits_BV, 0)
     out_BN = jnp.full((B, N), stop if eos_id is not None else 0, jnp.int32)
     carry = (jnp.zeros((), jnp.int32), first_B, cache, out_BN, jnp.zeros((B,), bool))
     return jax.lax.while_loop(cond, body, carry)[3]
