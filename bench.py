@@ -71,6 +71,11 @@ class BenchConfig:
     torch_threads: int = 0  # 0: os.cpu_count(), the threads XLA's CPU client uses
     seed: int = 0
     json: bool = False
+    # --limits: this project alone against the machine's own limits (made for a GPU or TPU)
+    limits: bool = False
+    dtype: str = "float32"  # parameters and activations of the --limits model
+    peak_tflops: float = 0.0  # nominal matmul peak at --dtype, e.g. 790 for an H200 (0: none)
+    memory_tbps: float = 0.0  # nominal memory bandwidth, e.g. 4.3 for an H200 (0: none)
 
 
 # ----------------------------------------------------------------------------- timing
@@ -234,11 +239,18 @@ def hf_loglik(hf: Any, tokens_BT: np.ndarray, targets_BT: np.ndarray) -> np.ndar
         return logp_BTV.gather(-1, torch.from_numpy(targets_BT).long()[..., None])[..., 0].sum(-1).numpy()
 
 
-def matmul_contenders(sizes: List[int]) -> Dict[str, Callable[[], Any]]:
-    """Jitted float32 square matmuls, one per size: the FLOP/s ceiling (MFU's denominator)."""
+def matmul_contenders(sizes: List[int], dtype: Any = jnp.float32) -> Dict[str, Callable[[], Any]]:
+    """Jitted square matmuls, one per size: the FLOP/s ceiling (MFU's denominator)."""
     matmul = jax.jit(jnp.matmul)
-    arrays = {n: jax.random.normal(jax.random.key(0), (n, n), jnp.float32) for n in sizes}
+    arrays = {n: jax.random.normal(jax.random.key(0), (n, n), dtype) for n in sizes}
     return {f"matmul_{n}": (lambda a_NN=a_NN: matmul(a_NN, a_NN)) for n, a_NN in arrays.items()}
+
+
+def matmul_peak(out: Dict[str, Any], sizes: List[int]) -> Dict[str, Any]:
+    """Take the matmul contenders out of race()'s results: the fastest size's FLOP/s."""
+    matmuls = {n: out.pop(f"matmul_{n}") for n in sizes}
+    size = max(sizes, key=lambda n: n ** 3 / matmuls[n]["best"])
+    return {"size": size, "flops_per_s": 2 * size ** 3 / matmuls[size]["best"]}
 
 
 def bench_scoring(a: BenchConfig, model, variables, mesh, hf, log: CompileLog) -> Dict[str, Any]:
@@ -263,9 +275,7 @@ def bench_scoring(a: BenchConfig, model, variables, mesh, hf, log: CompileLog) -
     out = race({"project": project, "transformers": lambda: hf_loglik(hf, tokens_BT, docs_BT),
                 "bare_jax": lambda: bare(variables["params"], x, y), **matmul_contenders(sizes)},
                a.reps, log)
-    matmuls = {n: out.pop(f"matmul_{n}") for n in sizes}
-    size = max(sizes, key=lambda n: n ** 3 / matmuls[n]["best"])
-    peak = {"size": size, "flops_per_s": 2 * size ** 3 / matmuls[size]["best"]}
+    peak = matmul_peak(out, sizes)
     sums = {name: float(np.sum(np.asarray(r.pop("out"), np.float64))) for name, r in out.items()}
     for name, value in sums.items():
         rel = abs(value - sums["transformers"]) / abs(sums["transformers"])
@@ -336,6 +346,82 @@ def bench_generation(a: BenchConfig, model, variables, mesh, hf, log: CompileLog
     return {"check": check, **out}
 
 
+# ----------------------------------------------------------------------------- the machine's limits
+
+
+def bench_limits(a: BenchConfig, log: CompileLog) -> Dict[str, Any]:
+    """This project alone against limits measured in the same run (made for a GPU or TPU,
+    where transformers' PyTorch model is not the peer that matters):
+    - scoring: a PerplexityEvaluation of --batch x --seq tokens; its model FLOP/s as a
+      fraction of the best square matmul at --dtype;
+    - decoding: batch-1 greedy rollout of --new-tokens after a --prompt-token prompt; its
+      time per token (less the prefill) against the time a jitted sum takes to read as
+      many bytes as the parameters hold: each step must read every parameter once.
+    The model is this project's GPT-2-shaped GPT with random weights, in --dtype."""
+    model = gpt.GPT(n_layers=a.layers, n_embd=a.width, n_head=a.heads, vocab_size=a.vocab,
+                    block_size=a.context, param_dtype=a.dtype, activation_dtype=a.dtype)
+    mesh = gpt.make_mesh()
+    variables = gpt.init_params(model, mesh, seed=a.seed)
+    param_bytes = sum(x.nbytes for x in jax.tree.leaves(variables))
+    tokenizer = IdTokenizer(a.vocab)
+    rng = np.random.default_rng(a.seed)
+    docs = [{"text": tokenizer.decode(doc.tolist())} for doc in rng.integers(0, a.vocab, (a.batch, a.seq))]
+    evaluation = evaluate.PerplexityEvaluation("random", docs)
+    scorer = evaluator_for(model, variables, tokenizer, mesh, [evaluation], a.batch)
+    prompt = rng.integers(0, a.vocab, (1, a.prompt)).tolist()
+    decoder = evaluator_for(model, variables, tokenizer, mesh, [], 1)
+
+    def rollout(n_new: int) -> Callable[[], Any]:
+        return lambda: [new for _, new, _, _ in decoder.rollout(enumerate(prompt), n_new, 0.0, 1.0, a.seed)]
+
+    stream_N = jnp.ones((param_bytes // jnp.dtype(a.dtype).itemsize,), a.dtype)
+    read_all = jax.jit(lambda x_N: x_N.sum(dtype=jnp.float32))
+    sizes = [int(n) for n in a.matmul_sizes.split(",")]
+    out = race({"scoring": lambda: evaluation.result(scorer, tokenizer).scores,
+                "prefill": rollout(1), "decode": rollout(a.new_tokens),
+                "read_params": lambda: read_all(stream_N), **matmul_contenders(sizes, a.dtype)},
+               a.reps, log)
+    for r in out.values():
+        r.pop("out")
+    peak = matmul_peak(out, sizes)
+    flops = model.bind(variables).flops(a.seq) / 3 * a.batch  # forward only
+    scoring = dict(out["scoring"], flops=flops, tokens_per_s=a.batch * a.seq / out["scoring"]["best"],
+                   flops_per_s=flops / out["scoring"]["best"])
+    per_token = (out["decode"]["best"] - out["prefill"]["best"]) / (a.new_tokens - 1)
+    bandwidth = param_bytes / out["read_params"]["best"]
+    decoding = dict(out["decode"], prefill=out["prefill"]["best"], per_token=per_token,
+                    bound=param_bytes / bandwidth)
+    return {"params": gpt.count_params(variables), "param_bytes": param_bytes, "peak": peak,
+            "bandwidth": bandwidth, "scoring": scoring, "decoding": decoding,
+            "device": jax.devices()[0].device_kind, "n_devices": jax.device_count()}
+
+
+def limits_table(a: BenchConfig, r: Dict[str, Any]) -> str:
+    x = r["limits"]
+    peak, bandwidth, s, d = x["peak"]["flops_per_s"], x["bandwidth"], x["scoring"], x["decoding"]
+    mb = x["param_bytes"] / 1e6
+    lines = [f"model: {a.layers} layers, {a.width} wide, {a.heads} heads, vocab {a.vocab}, "
+             f"{x['params'] / 1e6:.1f}M parameters, {a.dtype} ({mb:.0f} MB), random weights",
+             f"machine: {x['n_devices']} x {x['device']}; jax {jax.__version__}",
+             f"matmul peak: {peak / 1e12:.2f} TFLOP/s {a.dtype} (jitted {x['peak']['size']}^2)",
+             f"memory read: {bandwidth / 1e12:.3f} TB/s (jitted sum over {mb:.0f} MB)", "",
+             f"scoring {a.batch} x {a.seq} tokens (PerplexityEvaluation, {s['flops'] / 1e12:.2f} TFLOP "
+             f"forward): best {s['best']:.3f} s (median {s['median']:.3f}, compile {s['compile']:.1f} s), "
+             f"{s['tokens_per_s']:.0f} tokens/s",
+             f"  {s['flops_per_s'] / 1e12:.2f} TFLOP/s = {s['flops_per_s'] / peak:.1%} of the measured peak"
+             + (f", {s['flops_per_s'] / (a.peak_tflops * 1e12):.1%} of the nominal {a.peak_tflops:g} TFLOP/s"
+                if a.peak_tflops else ""),
+             f"greedy decoding, batch 1, {a.prompt}-token prompt, {a.new_tokens} new: best {d['best']:.3f} s "
+             f"(median {d['median']:.3f}, compile {d['compile']:.1f} s), prefill {d['prefill'] * 1e3:.1f} ms",
+             f"  {d['per_token'] * 1e3:.3f} ms per token; reading the parameters once takes "
+             f"{d['bound'] * 1e3:.3f} ms: {d['bound'] / d['per_token']:.1%} of this bound"]
+    if a.memory_tbps:
+        nominal = x["param_bytes"] / (a.memory_tbps * 1e12)
+        lines[-1] += f", {nominal / d['per_token']:.1%} of the nominal {a.memory_tbps:g} TB/s bound"
+    lines.append(f"\nbench ran {r['seconds']:.0f} s")
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------- report
 
 
@@ -402,22 +488,13 @@ def table(a: BenchConfig, r: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: List[str]) -> int:
-    try:
-        a = parse_options(BenchConfig, argv)
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+def against_transformers(a: BenchConfig, log: CompileLog, say: Callable[[str], None]) -> Dict[str, Any]:
+    """The default run: compile counts, then scoring and generation beside transformers."""
     import torch
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
-    started = time.perf_counter()
-    say = lambda text: print(f"[{time.perf_counter() - started:5.0f} s] {text}", file=sys.stderr, flush=True)
-    say(f"bench {dataclasses.asdict(a)}")
-    log = CompileLog()
-    results: Dict[str, Any] = {"config": dataclasses.asdict(a), "cpus": os.cpu_count(),
-                               "load": [os.getloadavg()[0]], "torch": torch.__version__,
+    results: Dict[str, Any] = {"cpus": os.cpu_count(), "torch": torch.__version__,
                                "transformers": transformers.__version__}
     say("compilation: the built-in suite on the default tiny GPT, twice")
     results["compilation"] = compile_counts(log)
@@ -431,9 +508,32 @@ def main(argv: List[str]) -> int:
     results["scoring"] = bench_scoring(a, model, variables, mesh, hf, log)
     say(f"generation: warm-up + {a.reps} rounds")
     results["generation"] = bench_generation(a, model, variables, mesh, hf, log)
+    return results
+
+
+def main(argv: List[str]) -> int:
+    try:
+        a = parse_options(BenchConfig, argv)
+        gpt.dtype_of(a.dtype)
+    except (UsageError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    say = lambda text: print(f"[{time.perf_counter() - started:5.0f} s] {text}", file=sys.stderr, flush=True)
+    say(f"bench {dataclasses.asdict(a)}")
+    log = CompileLog()
+    results: Dict[str, Any] = {"config": dataclasses.asdict(a), "load": [os.getloadavg()[0]]}
+    if a.limits:
+        say(f"limits: scoring, batch-1 decoding, matmul peak and memory read: warm-up + {a.reps} rounds")
+        results["limits"] = bench_limits(a, log)
+    else:
+        results.update(against_transformers(a, log, say))
     results["seconds"] = time.perf_counter() - started
     results["load"].append(os.getloadavg()[0])  # other processes' load makes every number noisy
-    print(json.dumps(results, indent=2) if a.json else table(a, results))
+    if a.json:
+        print(json.dumps(results, indent=2))
+    else:
+        print(limits_table(a, results) if a.limits else table(a, results))
     return 0
 
 

@@ -1262,6 +1262,43 @@ def test_bos_adding_tokenizer_follows_lm_eval_except_its_double_bos(workdir, tmp
     assert [r["nll"] for r in ppl.records] == [r["nll"] for r in plain.records]  # BOS once, not twice
 
 
+# ---- bench.py: it runs and its own checks hold (speed itself is never asserted)
+
+TINY_BENCH = ["--layers", "2", "--width", "64", "--heads", "4", "--vocab", "500", "--seq", "64",
+              "--batch", "4", "--prompt", "8", "--new-tokens", "8", "--matmul-sizes", "128",
+              "--reps", "1", "--json"]
+
+
+def bench(*args):
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench.py"), *TINY_BENCH, *args],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+@needs_torch
+def test_bench_against_transformers_compiles_once():
+    """Same scores and tokens as transformers (bench asserts both); the built-in suite
+    compiles on its first run and never on the second."""
+    r = bench()
+    assert r["scoring"]["project"]["rel_diff"] < 1e-4 and r["generation"]["check"]["identical"]
+    first, second = r["compilation"]["runs"]
+    assert all(x["compiles"] >= 1 for x in first.values())
+    assert all(x["compiles"] == 0 for x in second.values())
+
+
+def test_bench_limits_mode():
+    """--limits measures this project alone: scoring FLOP/s and batch-1 decoding against the
+    time to read every parameter byte once."""
+    x = bench("--limits", "--dtype", "bfloat16")["limits"]
+    model = gpt.GPT(n_layers=2, n_embd=64, n_head=4, vocab_size=500, block_size=1024)
+    assert x["params"] == gpt.count_params(gpt.abstract_params(model))
+    assert x["param_bytes"] == 2 * x["params"]  # bfloat16
+    assert x["scoring"]["flops"] == pytest.approx(4 * model.bind(init(model)).flops(64) / 3)
+    assert x["decoding"]["best"] > 0 and x["decoding"]["bound"] > 0 and x["peak"]["flops_per_s"] > 0
+
+
 # ---- reliability: bad input, interruption, the same answer everywhere
 
 def assert_usage_error(proc, *needles, out=None):
