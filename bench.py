@@ -4,6 +4,7 @@
     python bench.py                  # GPT-2 small shape, random weights (4-5 min on 2 CPU cores)
     python bench.py --layers 2 --width 128 --heads 4 --vocab 1000 --seq 128   # quick
     python bench.py --json           # one JSON object of every number instead of the table
+    python bench.py --limits         # this project alone against the machine's limits (GPU/TPU)
 
 What it does, in order:
 1. Compilation: the built-in suite (the 4 built-in evaluations) on the default tiny GPT,
@@ -23,9 +24,12 @@ What it does, in order:
    written below (the ceiling for this model in jax). Summed scores must agree.
 4. Generation: greedy decoding with the KV cache, --batch prompts of --prompt tokens,
    exactly --new-tokens new ones (the tokenizer here has no EOS): InferenceJob.rollout
-   against transformers' generate. The tokens must be identical.
+   against transformers' generate. The tokens must be identical. Each is also timed with
+   one new token (the prefill) to give a time per step, which is set beside two floors:
+   the step's matmuls alone and one read of every parameter byte.
 5. The float32 matmul peak (the best jitted square matmul of --matmul-sizes, raced with
    the scorers) turns FLOP/s into MFU.
+With --limits, only bench_limits runs: no transformers, no torch (see its docstring).
 
 Every timing is a warm-up call (which compiles), then --reps rounds in which the
 contenders take turns, so that other processes' load falls on all of them alike; the
@@ -324,26 +328,54 @@ def tie_report(ours_BN: np.ndarray, theirs_BN: np.ndarray, logits_BNV: np.ndarra
     return report
 
 
+def decode_floors(variables: Any, rows: int, seed: int) -> Dict[str, Callable[[], Any]]:
+    """Two floors under one decoding step of `rows` rows, as race() contenders:
+    "step_matmuls", the step's products alone (rows x every weight matrix, the unembedding
+    included), and "read_params", one jitted sum over as many bytes as the parameters hold.
+    Every step must read every parameter once; how fast the backend's matmul streams them
+    for a few rows is a property of its GEMM, not of this project."""
+    leaves = jax.tree_util.tree_leaves_with_path(variables["params"])
+    matrices = [(jax.tree_util.keystr(path), w) for path, w in leaves if w.ndim == 2]
+    # kernels are [in, out]; the (tied) token embedding [V, D] unembeds as x @ wte.T
+    matrices = [w if "kernel" in name else w.T for name, w in matrices if "wpe" not in name]
+    x_RK = jax.random.normal(jax.random.key(seed), (rows, max(w.shape[0] for w in matrices)),
+                             matrices[0].dtype)
+    products = jax.jit(lambda x_RK, ws: sum((x_RK[:, :w.shape[0]] @ w).sum() for w in ws))
+    param_bytes = sum(x.nbytes for _, x in leaves)
+    stream_N = jnp.ones((param_bytes // matrices[0].dtype.itemsize,), matrices[0].dtype)
+    read = jax.jit(lambda x_N: x_N.sum(dtype=jnp.float32))
+    return {"step_matmuls": lambda: products(x_RK, matrices), "read_params": lambda: read(stream_N)}
+
+
 def bench_generation(a: BenchConfig, model, variables, mesh, hf, log: CompileLog) -> Dict[str, Any]:
-    """New tokens/s of the project's rollout and transformers' generate on the same prompts;
+    """New tokens/s of the project's rollout and transformers' generate on the same prompts,
+    their time per step less the prefill, and the floors under a step (decode_floors);
     asserts that the tokens are identical unless a near-tie explains the difference."""
     tokenizer = IdTokenizer(a.vocab)
     prompts_BP = np.random.default_rng(a.seed + 1).integers(0, a.vocab, (a.batch, a.prompt), dtype=np.int32)
     evaluator = evaluator_for(model, variables, tokenizer, mesh, [], a.batch)
 
-    def project():  # the evaluation's rollout: padding, transfer, jitted prefill + while_loop
-        outputs = evaluator.rollout(enumerate(prompts_BP.tolist()), a.new_tokens, 0.0, 1.0, a.seed)
-        return np.array([new for _, new, _, _ in outputs])
+    def project(n_new: int) -> Callable[[], np.ndarray]:
+        def rollout():  # the evaluation's rollout: padding, transfer, jitted prefill + while_loop
+            outputs = evaluator.rollout(enumerate(prompts_BP.tolist()), n_new, 0.0, 1.0, a.seed)
+            return np.array([new for _, new, _, _ in outputs])
+        return rollout
 
-    out = race({"project": project,
-                "transformers": lambda: hf_generate(hf, prompts_BP, a.new_tokens)}, a.reps, log)
+    out = race({"project": project(a.new_tokens),
+                "transformers": lambda: hf_generate(hf, prompts_BP, a.new_tokens),
+                "project_prefill": project(1), "transformers_prefill": lambda: hf_generate(hf, prompts_BP, 1),
+                **decode_floors(variables, a.batch, a.seed)}, a.reps, log)
     ours, theirs = out["project"].pop("out"), out["transformers"].pop("out")
     check = tie_report(ours, theirs, hf_step_logits(hf, prompts_BP, theirs))
     # float32 sums in another order move logits by ~1e-5 relative: only a near-tie may flip
     assert check["identical"] or check["gap_at_diff"] < 1e-3, f"generated tokens differ: {check}"
-    for r in out.values():
-        r["tokens_per_s"] = a.batch * a.new_tokens / r["best"]
-    return {"check": check, **out}
+    floors = {name: out.pop(name)["best"] for name in ("step_matmuls", "read_params")}
+    for name in ("project", "transformers"):
+        prefill = out.pop(f"{name}_prefill")["best"]
+        out[name].update(tokens_per_s=a.batch * a.new_tokens / out[name]["best"], prefill=prefill,
+                         per_step=(out[name]["best"] - prefill) / (a.new_tokens - 1))
+    return {"check": check, "floors": floors, "param_bytes": sum(x.nbytes for x in jax.tree.leaves(variables)),
+            **out}
 
 
 # ----------------------------------------------------------------------------- the machine's limits
@@ -374,12 +406,10 @@ def bench_limits(a: BenchConfig, log: CompileLog) -> Dict[str, Any]:
     def rollout(n_new: int) -> Callable[[], Any]:
         return lambda: [new for _, new, _, _ in decoder.rollout(enumerate(prompt), n_new, 0.0, 1.0, a.seed)]
 
-    stream_N = jnp.ones((param_bytes // jnp.dtype(a.dtype).itemsize,), a.dtype)
-    read_all = jax.jit(lambda x_N: x_N.sum(dtype=jnp.float32))
     sizes = [int(n) for n in a.matmul_sizes.split(",")]
     out = race({"scoring": lambda: evaluation.result(scorer, tokenizer).scores,
                 "prefill": rollout(1), "decode": rollout(a.new_tokens),
-                "read_params": lambda: read_all(stream_N), **matmul_contenders(sizes, a.dtype)},
+                **decode_floors(variables, 1, a.seed), **matmul_contenders(sizes, a.dtype)},
                a.reps, log)
     for r in out.values():
         r.pop("out")
@@ -390,7 +420,7 @@ def bench_limits(a: BenchConfig, log: CompileLog) -> Dict[str, Any]:
     per_token = (out["decode"]["best"] - out["prefill"]["best"]) / (a.new_tokens - 1)
     bandwidth = param_bytes / out["read_params"]["best"]
     decoding = dict(out["decode"], prefill=out["prefill"]["best"], per_token=per_token,
-                    bound=param_bytes / bandwidth)
+                    bound=param_bytes / bandwidth, step_matmuls=out["step_matmuls"]["best"])
     return {"params": gpt.count_params(variables), "param_bytes": param_bytes, "peak": peak,
             "bandwidth": bandwidth, "scoring": scoring, "decoding": decoding,
             "device": jax.devices()[0].device_kind, "n_devices": jax.device_count()}
@@ -413,8 +443,8 @@ def limits_table(a: BenchConfig, r: Dict[str, Any]) -> str:
                 if a.peak_tflops else ""),
              f"greedy decoding, batch 1, {a.prompt}-token prompt, {a.new_tokens} new: best {d['best']:.3f} s "
              f"(median {d['median']:.3f}, compile {d['compile']:.1f} s), prefill {d['prefill'] * 1e3:.1f} ms",
-             f"  {d['per_token'] * 1e3:.3f} ms per token; reading the parameters once takes "
-             f"{d['bound'] * 1e3:.3f} ms: {d['bound'] / d['per_token']:.1%} of this bound"]
+             f"  {d['per_token'] * 1e3:.3f} ms per token; its matmuls alone take {d['step_matmuls'] * 1e3:.3f} ms; "
+             f"reading the parameters once {d['bound'] * 1e3:.3f} ms: {d['bound'] / d['per_token']:.1%} of this bound"]
     if a.memory_tbps:
         nominal = x["param_bytes"] / (a.memory_tbps * 1e12)
         lines[-1] += f", {nominal / d['per_token']:.1%} of the nominal {a.memory_tbps:g} TB/s bound"
@@ -459,6 +489,12 @@ def generation_table(a: BenchConfig, g: Dict[str, Any]) -> List[str]:
     c = g["check"]
     same = "yes" if c["identical"] else f"NO, first at {c['first_diff']}, gap there {c['gap_at_diff']:.2g}"
     lines.append(f"  tokens identical: {same}; smallest top1-top2 logit gap {c['min_gap']:.2g}")
+    p, t, f, gb = g["project"], g["transformers"], g["floors"], g["param_bytes"] / 1e9
+    lines += [f"  per step, less the prefill: project {p['per_step'] * 1e3:.1f} ms, transformers "
+              f"{t['per_step'] * 1e3:.1f} ms (prefill {p['prefill']:.2f} s and {t['prefill']:.2f} s)",
+              f"  floors under a step of {a.batch} rows: its matmuls alone {f['step_matmuls'] * 1e3:.1f} ms "
+              f"(weights at {gb / f['step_matmuls']:.1f} GB/s), reading the parameters once "
+              f"{f['read_params'] * 1e3:.1f} ms ({gb / f['read_params']:.1f} GB/s)"]
     return lines
 
 
