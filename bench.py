@@ -328,6 +328,20 @@ def tie_report(ours_BN: np.ndarray, theirs_BN: np.ndarray, logits_BNV: np.ndarra
     return report
 
 
+def greedy(evaluator: evaluate.Evaluator, prompts: List[List[int]], n_new: int,
+           seed: int) -> Callable[[], np.ndarray]:
+    """The evaluation's greedy rollout as a contender: padding, transfer, the jitted prefill
+    and while_loop, the host copy. Returns the new tokens [B, n_new]."""
+    def rollout() -> np.ndarray:
+        outputs = evaluator.rollout(enumerate(prompts), n_new, 0.0, 1.0, seed)
+        return np.array([new for _, new, _, _ in outputs])
+    return rollout
+
+
+def nbytes(tree: Any) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
 def decode_floors(variables: Any, rows: int, seed: int) -> Dict[str, Callable[[], Any]]:
     """Two floors under one decoding step of `rows` rows, as race() contenders:
     "step_matmuls", the step's products alone (rows x every weight matrix, the unembedding
@@ -341,8 +355,7 @@ def decode_floors(variables: Any, rows: int, seed: int) -> Dict[str, Callable[[]
     x_RK = jax.random.normal(jax.random.key(seed), (rows, max(w.shape[0] for w in matrices)),
                              matrices[0].dtype)
     products = jax.jit(lambda x_RK, ws: sum((x_RK[:, :w.shape[0]] @ w).sum() for w in ws))
-    param_bytes = sum(x.nbytes for _, x in leaves)
-    stream_N = jnp.ones((param_bytes // matrices[0].dtype.itemsize,), matrices[0].dtype)
+    stream_N = jnp.ones((nbytes(variables) // matrices[0].dtype.itemsize,), matrices[0].dtype)
     read = jax.jit(lambda x_N: x_N.sum(dtype=jnp.float32))
     return {"step_matmuls": lambda: products(x_RK, matrices), "read_params": lambda: read(stream_N)}
 
@@ -355,15 +368,11 @@ def bench_generation(a: BenchConfig, model, variables, mesh, hf, log: CompileLog
     prompts_BP = np.random.default_rng(a.seed + 1).integers(0, a.vocab, (a.batch, a.prompt), dtype=np.int32)
     evaluator = evaluator_for(model, variables, tokenizer, mesh, [], a.batch)
 
-    def project(n_new: int) -> Callable[[], np.ndarray]:
-        def rollout():  # the evaluation's rollout: padding, transfer, jitted prefill + while_loop
-            outputs = evaluator.rollout(enumerate(prompts_BP.tolist()), n_new, 0.0, 1.0, a.seed)
-            return np.array([new for _, new, _, _ in outputs])
-        return rollout
-
-    out = race({"project": project(a.new_tokens),
+    prompts = prompts_BP.tolist()
+    out = race({"project": greedy(evaluator, prompts, a.new_tokens, a.seed),
                 "transformers": lambda: hf_generate(hf, prompts_BP, a.new_tokens),
-                "project_prefill": project(1), "transformers_prefill": lambda: hf_generate(hf, prompts_BP, 1),
+                "project_prefill": greedy(evaluator, prompts, 1, a.seed),
+                "transformers_prefill": lambda: hf_generate(hf, prompts_BP, 1),
                 **decode_floors(variables, a.batch, a.seed)}, a.reps, log)
     ours, theirs = out["project"].pop("out"), out["transformers"].pop("out")
     check = tie_report(ours, theirs, hf_step_logits(hf, prompts_BP, theirs))
@@ -374,8 +383,7 @@ def bench_generation(a: BenchConfig, model, variables, mesh, hf, log: CompileLog
         prefill = out.pop(f"{name}_prefill")["best"]
         out[name].update(tokens_per_s=a.batch * a.new_tokens / out[name]["best"], prefill=prefill,
                          per_step=(out[name]["best"] - prefill) / (a.new_tokens - 1))
-    return {"check": check, "floors": floors, "param_bytes": sum(x.nbytes for x in jax.tree.leaves(variables)),
-            **out}
+    return {"check": check, "floors": floors, "param_bytes": nbytes(variables), **out}
 
 
 # ----------------------------------------------------------------------------- the machine's limits
@@ -394,7 +402,7 @@ def bench_limits(a: BenchConfig, log: CompileLog) -> Dict[str, Any]:
                     block_size=a.context, param_dtype=a.dtype, activation_dtype=a.dtype)
     mesh = gpt.make_mesh()
     variables = gpt.init_params(model, mesh, seed=a.seed)
-    param_bytes = sum(x.nbytes for x in jax.tree.leaves(variables))
+    param_bytes = nbytes(variables)
     tokenizer = IdTokenizer(a.vocab)
     rng = np.random.default_rng(a.seed)
     docs = [{"text": tokenizer.decode(doc.tolist())} for doc in rng.integers(0, a.vocab, (a.batch, a.seq))]
@@ -402,13 +410,10 @@ def bench_limits(a: BenchConfig, log: CompileLog) -> Dict[str, Any]:
     scorer = evaluator_for(model, variables, tokenizer, mesh, [evaluation], a.batch)
     prompt = rng.integers(0, a.vocab, (1, a.prompt)).tolist()
     decoder = evaluator_for(model, variables, tokenizer, mesh, [], 1)
-
-    def rollout(n_new: int) -> Callable[[], Any]:
-        return lambda: [new for _, new, _, _ in decoder.rollout(enumerate(prompt), n_new, 0.0, 1.0, a.seed)]
-
     sizes = [int(n) for n in a.matmul_sizes.split(",")]
     out = race({"scoring": lambda: evaluation.result(scorer, tokenizer).scores,
-                "prefill": rollout(1), "decode": rollout(a.new_tokens),
+                "prefill": greedy(decoder, prompt, 1, a.seed),
+                "decode": greedy(decoder, prompt, a.new_tokens, a.seed),
                 **decode_floors(variables, 1, a.seed), **matmul_contenders(sizes, a.dtype)},
                a.reps, log)
     for r in out.values():
@@ -418,11 +423,11 @@ def bench_limits(a: BenchConfig, log: CompileLog) -> Dict[str, Any]:
     scoring = dict(out["scoring"], flops=flops, tokens_per_s=a.batch * a.seq / out["scoring"]["best"],
                    flops_per_s=flops / out["scoring"]["best"])
     per_token = (out["decode"]["best"] - out["prefill"]["best"]) / (a.new_tokens - 1)
-    bandwidth = param_bytes / out["read_params"]["best"]
-    decoding = dict(out["decode"], prefill=out["prefill"]["best"], per_token=per_token,
-                    bound=param_bytes / bandwidth, step_matmuls=out["step_matmuls"]["best"])
+    bound = out["read_params"]["best"]
+    decoding = dict(out["decode"], prefill=out["prefill"]["best"], per_token=per_token, bound=bound,
+                    step_matmuls=out["step_matmuls"]["best"])
     return {"params": gpt.count_params(variables), "param_bytes": param_bytes, "peak": peak,
-            "bandwidth": bandwidth, "scoring": scoring, "decoding": decoding,
+            "bandwidth": param_bytes / bound, "scoring": scoring, "decoding": decoding,
             "device": jax.devices()[0].device_kind, "n_devices": jax.device_count()}
 
 
@@ -443,8 +448,9 @@ def limits_table(a: BenchConfig, r: Dict[str, Any]) -> str:
                 if a.peak_tflops else ""),
              f"greedy decoding, batch 1, {a.prompt}-token prompt, {a.new_tokens} new: best {d['best']:.3f} s "
              f"(median {d['median']:.3f}, compile {d['compile']:.1f} s), prefill {d['prefill'] * 1e3:.1f} ms",
-             f"  {d['per_token'] * 1e3:.3f} ms per token; its matmuls alone take {d['step_matmuls'] * 1e3:.3f} ms; "
-             f"reading the parameters once {d['bound'] * 1e3:.3f} ms: {d['bound'] / d['per_token']:.1%} of this bound"]
+             f"  {d['per_token'] * 1e3:.3f} ms per token; its matmuls alone take "
+             f"{d['step_matmuls'] * 1e3:.3f} ms; reading the parameters once {d['bound'] * 1e3:.3f} ms: "
+             f"{d['bound'] / d['per_token']:.1%} of this bound"]
     if a.memory_tbps:
         nominal = x["param_bytes"] / (a.memory_tbps * 1e12)
         lines[-1] += f", {nominal / d['per_token']:.1%} of the nominal {a.memory_tbps:g} TB/s bound"
