@@ -1443,6 +1443,11 @@ def long_run_args(ckpt, tmp_path, out):
 
 
 def start_cli(*args):
+    """`python evaluate.py ARGS`, not waited for. A script's background job (`cmd &`) runs
+    with SIGINT ignored, children inherit that, and Python keeps an inherited SIG_IGN (as
+    `cmd &` and nohup intend): so that the child takes Ctrl-C, this process must not ignore it."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a child execs with SIG_DFL
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
     return subprocess.Popen([sys.executable, str(ROOT / "evaluate.py"), *map(str, args)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
