@@ -1547,6 +1547,32 @@ def test_sampling_is_reproducible_and_independent_of_batch_and_mesh(ckpt, tmp_pa
     assert len(set(outputs[0])) > 1  # it really sampled
 
 
+CTRL_C_IN_GC_CALLBACK = """
+import gc, signal, sys, time
+import jobs
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, whatever pytest inherited
+def ctrl_c_in_gc_callback(phase, info):
+    if phase == "start":
+        signal.raise_signal(signal.SIGINT)  # handled inside the callback, where Python swallows it
+def command():
+    gc.callbacks.append(ctrl_c_in_gc_callback)
+    gc.collect()
+    gc.callbacks.remove(ctrl_c_in_gc_callback)
+    time.sleep(30)  # the rest of a long run
+sys.exit(jobs.exit_status(command))
+"""
+
+
+def test_ctrl_c_swallowed_by_a_gc_callback_still_ends_the_run():
+    """Python swallows a KeyboardInterrupt raised in a gc callback or finalizer, and jax runs a
+    gc callback at every collection: a Ctrl-C landing there must still end the run, at once."""
+    start = time.time()
+    proc = subprocess.run([sys.executable, "-c", CTRL_C_IN_GC_CALLBACK], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 130 and time.time() - start < 20, proc.stderr
+    assert proc.stderr.strip().splitlines() == ["interrupted: nothing partial was written"]
+
+
 def test_killed_training_leaves_a_loadable_checkpoint(tmp_path):
     out = tmp_path / "train"
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
