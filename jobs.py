@@ -648,6 +648,16 @@ def redeliver_ctrl_c(unraisable: Any) -> None:
         sys.__unraisablehook__(unraisable)
 
 
+def caused_by_ctrl_c(error: Optional[BaseException]) -> bool:
+    """Whether a KeyboardInterrupt is `error` or behind it: jax turns one that lands in a
+    callback from its C++ (a pytree's __eq__, say) into a ValueError caused by it."""
+    while error is not None:
+        if isinstance(error, KeyboardInterrupt):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
 def exit_status(command: Callable[[], None]) -> int:
     """Run a command-line action: 0 when it succeeds, 2 with one line on stderr for a
     UsageError or an OSError; on Ctrl-C, one line and the process ends at once with 130."""
@@ -660,7 +670,9 @@ def exit_status(command: Callable[[], None]) -> int:
     except OSError as e:  # an unwritable --out, a full disk: the user's to fix, not a bug
         print(f"error: {e.strerror or e}: {e.filename or ''}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except BaseException as e:
+        if not caused_by_ctrl_c(e):
+            raise
         print("interrupted: nothing partial was written", file=sys.stderr)
         # Leave at once, skipping the interpreter's teardown: after a Ctrl-C that lands while
         # XLA is starting up, tearing it down can crash (SIGSEGV, 4 of 15 such tries here).
