@@ -78,8 +78,8 @@ class BenchConfig:
     # --limits: this project alone against the machine's own limits (made for a GPU or TPU)
     limits: bool = False
     dtype: str = "float32"  # parameters and activations of the --limits model
-    peak_tflops: float = 0.0  # nominal matmul peak at --dtype, e.g. 790 for an H200 (0: none)
-    memory_tbps: float = 0.0  # nominal memory bandwidth, e.g. 4.3 for an H200 (0: none)
+    peak_tflops: float = 0.0  # nominal matmul peak per device at --dtype, e.g. 790 on an H200 (0: none)
+    memory_tbps: float = 0.0  # nominal memory bandwidth per device, e.g. 4.3 on an H200 (0: none)
 
 
 # ----------------------------------------------------------------------------- timing
@@ -419,6 +419,10 @@ def bench_limits(a: BenchConfig, log: CompileLog) -> Dict[str, Any]:
     for r in out.values():
         r.pop("out")
     peak = matmul_peak(out, sizes)
+    # the matmul ran on one device and scoring on all: accelerators add up, while CPU
+    # "devices" (--xla_force_host_platform_device_count) share the same cores
+    peak["devices"] = 1 if jax.default_backend() == "cpu" else jax.device_count()
+    peak["flops_per_s"] *= peak["devices"]
     flops = model.bind(variables).flops(a.seq) / 3 * a.batch  # forward only
     scoring = dict(out["scoring"], flops=flops, tokens_per_s=a.batch * a.seq / out["scoring"]["best"],
                    flops_per_s=flops / out["scoring"]["best"])
@@ -438,14 +442,15 @@ def limits_table(a: BenchConfig, r: Dict[str, Any]) -> str:
     lines = [f"model: {a.layers} layers, {a.width} wide, {a.heads} heads, vocab {a.vocab}, "
              f"{x['params'] / 1e6:.1f}M parameters, {a.dtype} ({mb:.0f} MB), random weights",
              f"machine: {x['n_devices']} x {x['device']}; jax {jax.__version__}",
-             f"matmul peak: {peak / 1e12:.2f} TFLOP/s {a.dtype} (jitted {x['peak']['size']}^2)",
+             f"matmul peak: {peak / 1e12:.2f} TFLOP/s {a.dtype} (jitted {x['peak']['size']}^2"
+             + (f" on one device, x {x['peak']['devices']})" if x["peak"]["devices"] > 1 else ")"),
              f"memory read: {bandwidth / 1e12:.3f} TB/s (jitted sum over {mb:.0f} MB)", "",
              f"scoring {a.batch} x {a.seq} tokens (PerplexityEvaluation, {s['flops'] / 1e12:.2f} TFLOP "
              f"forward): best {s['best']:.3f} s (median {s['median']:.3f}, compile {s['compile']:.1f} s), "
              f"{s['tokens_per_s']:.0f} tokens/s",
              f"  {s['flops_per_s'] / 1e12:.2f} TFLOP/s = {s['flops_per_s'] / peak:.1%} of the measured peak"
-             + (f", {s['flops_per_s'] / (a.peak_tflops * 1e12):.1%} of the nominal {a.peak_tflops:g} TFLOP/s"
-                if a.peak_tflops else ""),
+             + (f", {s['flops_per_s'] / (a.peak_tflops * 1e12 * x['peak']['devices']):.1%} of the nominal "
+                f"{a.peak_tflops:g} TFLOP/s per device" if a.peak_tflops else ""),
              f"greedy decoding, batch 1, {a.prompt}-token prompt, {a.new_tokens} new: best {d['best']:.3f} s "
              f"(median {d['median']:.3f}, compile {d['compile']:.1f} s), prefill {d['prefill'] * 1e3:.1f} ms",
              f"  {d['per_token'] * 1e3:.3f} ms per token; its matmuls alone take "
