@@ -18,8 +18,9 @@ width, H query heads, K key/value heads, E head width, F MLP width, V vocabulary
 """
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Any, List, Optional, Tuple, Type
+from typing import Any, List, NamedTuple, Optional, Tuple, Type
 
 import flax.linen as nn
 import jax
@@ -191,18 +192,15 @@ def attend(q_BTHE: jax.Array, k_BSKE: jax.Array, v_BSKE: jax.Array, allowed_BTS:
     return jnp.einsum("bkgts,bske->btkge", probs, v_BSKE).reshape(B, T, H, E)
 
 
-class Attention(Module):
-    """Causal self-attention with grouped key/value heads, optional q/k norm and rotary.
-
-    With a cache (k_BSKE, v_BSKE, slot), the new keys and values are written at `slot` and
-    the queries attend over all S cache slots; `allowed_BTS` says which ones they may see.
-    """
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """The sizes and options of one attention layer (frozen: flax module fields must hash)."""
 
     width: int = 128
     n_head: int = 4
     n_kv_head: int = 4
     head_dim: int = 32
-    bias: bool = False
+    qkv_bias: bool = False
     out_bias: bool = False
     qk_norm: bool = False
     norm_eps: float = 1e-6
@@ -212,43 +210,55 @@ class Attention(Module):
     dropout: float = 0.0
     residual_std: float = 0.02
 
+
+class Attention(Module):
+    """Causal self-attention with grouped key/value heads, optional q/k norm and rotary.
+
+    With a layer cache (k_BSKE, v_BSKE), the new keys and values are written at `slot` and
+    the queries attend over all S cache slots; `allowed_BTS` says which ones they may see.
+    """
+
+    cfg: AttentionConfig = AttentionConfig()
+
     def setup(self) -> None:
-        dt = dict(param_dtype=self.param_dtype, activation_dtype=self.activation_dtype)
-        H, K, E = self.n_head, self.n_kv_head, self.head_dim
-        self.q = Linear(features=H * E, axes=("embed", "heads"), use_bias=self.bias, **dt)
-        self.k = Linear(features=K * E, axes=("embed", "kv_heads"), use_bias=self.bias, **dt)
-        self.v = Linear(features=K * E, axes=("embed", "kv_heads"), use_bias=self.bias, **dt)
+        c, dt = self.cfg, dict(param_dtype=self.param_dtype, activation_dtype=self.activation_dtype)
+        H, K, E = c.n_head, c.n_kv_head, c.head_dim
+        self.q = Linear(features=H * E, axes=("embed", "heads"), use_bias=c.qkv_bias, **dt)
+        self.k = Linear(features=K * E, axes=("embed", "kv_heads"), use_bias=c.qkv_bias, **dt)
+        self.v = Linear(features=K * E, axes=("embed", "kv_heads"), use_bias=c.qkv_bias, **dt)
         # GPT-2 scales the init of layers that write into the residual stream by 1/sqrt(2L)
-        self.o = Linear(features=self.width, axes=("heads", "embed"), use_bias=self.out_bias,
-                        init_std=self.residual_std, **dt)
-        if self.qk_norm:  # Qwen3: RMSNorm over each head's width, before rotary
-            norm = dict(kind="rmsnorm", eps=self.norm_eps, use_bias=False, axis_name="head_dim", **dt)
+        self.o = Linear(features=c.width, axes=("heads", "embed"), use_bias=c.out_bias,
+                        init_std=c.residual_std, **dt)
+        if c.qk_norm:  # Qwen3: RMSNorm over each head's width, before rotary
+            norm = dict(kind="rmsnorm", eps=c.norm_eps, use_bias=False, axis_name="head_dim", **dt)
             self.q_norm, self.k_norm = Norm(**norm), Norm(**norm)
-        self.drop = nn.Dropout(self.dropout)
+        self.drop = nn.Dropout(c.dropout)
 
     def __call__(self, x_BTD: jax.Array, pos_BT: jax.Array, allowed_BTS: jax.Array,
-                 deterministic: bool = True, cache: Optional[Tuple[jax.Array, jax.Array, jax.Array]] = None):
+                 deterministic: bool = True, kv: Optional[Tuple[jax.Array, jax.Array]] = None,
+                 slot: Optional[jax.Array] = None):
+        """(y_BTD, the layer's updated (k_BSKE, v_BSKE) or None without a cache)."""
+        c = self.cfg
         B, T, D = x_BTD.shape
-        q_BTHE = self.q(x_BTD).reshape(B, T, self.n_head, self.head_dim)
-        k_BTKE = self.k(x_BTD).reshape(B, T, self.n_kv_head, self.head_dim)
-        v_BTKE = self.v(x_BTD).reshape(B, T, self.n_kv_head, self.head_dim)
-        if self.qk_norm:
+        q_BTHE = self.q(x_BTD).reshape(B, T, c.n_head, c.head_dim)
+        k_BTKE = self.k(x_BTD).reshape(B, T, c.n_kv_head, c.head_dim)
+        v_BTKE = self.v(x_BTD).reshape(B, T, c.n_kv_head, c.head_dim)
+        if c.qk_norm:
             q_BTHE, k_BTKE = self.q_norm(q_BTHE), self.k_norm(k_BTKE)
-        if self.rope:
-            q_BTHE = rotary(q_BTHE, pos_BT, self.rotary_fraction, self.rope_theta)
-            k_BTKE = rotary(k_BTKE, pos_BT, self.rotary_fraction, self.rope_theta)
-        new_cache = None
-        if cache is not None:
-            k_BSKE, v_BSKE, slot = cache
-            k_BTKE = jax.lax.dynamic_update_slice(k_BSKE, k_BTKE.astype(k_BSKE.dtype), (0, slot, 0, 0))
-            v_BTKE = jax.lax.dynamic_update_slice(v_BSKE, v_BTKE.astype(v_BSKE.dtype), (0, slot, 0, 0))
-            new_cache = (k_BTKE, v_BTKE)
-        y_BTHE = attend(q_BTHE, k_BTKE.astype(q_BTHE.dtype), v_BTKE.astype(q_BTHE.dtype), allowed_BTS)
-        y_BTD = self.o(y_BTHE.reshape(B, T, self.n_head * self.head_dim))
-        return self.drop(y_BTD, deterministic=deterministic), new_cache
+        if c.rope:
+            q_BTHE = rotary(q_BTHE, pos_BT, c.rotary_fraction, c.rope_theta)
+            k_BTKE = rotary(k_BTKE, pos_BT, c.rotary_fraction, c.rope_theta)
+        if kv is None:
+            k_BSKE, v_BSKE = k_BTKE, v_BTKE
+        else:  # write the T new keys/values into their cache slots, then attend over all S
+            k_BSKE = jax.lax.dynamic_update_slice(kv[0], k_BTKE.astype(kv[0].dtype), (0, slot, 0, 0))
+            v_BSKE = jax.lax.dynamic_update_slice(kv[1], v_BTKE.astype(kv[1].dtype), (0, slot, 0, 0))
+        y_BTHE = attend(q_BTHE, k_BSKE.astype(q_BTHE.dtype), v_BSKE.astype(q_BTHE.dtype), allowed_BTS)
+        y_BTD = self.o(y_BTHE.reshape(B, T, c.n_head * c.head_dim))
+        return self.drop(y_BTD, deterministic=deterministic), None if kv is None else (k_BSKE, v_BSKE)
 
     def flops(self, seq: int) -> float:
-        scores = 2 * 2 * seq * seq * self.n_head * self.head_dim  # q @ k^T and p @ v
+        scores = 2 * 2 * seq * seq * self.cfg.n_head * self.cfg.head_dim  # q @ k^T and p @ v
         return super().flops(seq) + 3 * scores
 
     @classmethod
@@ -256,8 +266,9 @@ class Attention(Module):
         return [Linear, Norm]
 
 
-class MLP(Module):
-    """GELU MLP (GPT-2: tanh approximation; NeoX: exact) or SwiGLU (Llama, Qwen)."""
+@dataclasses.dataclass(frozen=True)
+class MLPConfig:
+    """The sizes and kind of one MLP: "gelu" (tanh approximation), "gelu_exact" or "swiglu"."""
 
     width: int = 128
     hidden: int = 512
@@ -266,22 +277,28 @@ class MLP(Module):
     dropout: float = 0.0
     residual_std: float = 0.02
 
+
+class MLP(Module):
+    """GELU MLP (GPT-2: tanh approximation; NeoX: exact) or SwiGLU (Llama, Qwen)."""
+
+    cfg: MLPConfig = MLPConfig()
+
     def setup(self) -> None:
-        dt = dict(param_dtype=self.param_dtype, activation_dtype=self.activation_dtype)
-        if self.kind not in ("gelu", "gelu_exact", "swiglu"):
-            raise ValueError(f"unknown mlp {self.kind!r}; choose gelu, gelu_exact or swiglu")
-        self.up = Linear(features=self.hidden, axes=("embed", "mlp"), use_bias=self.bias, **dt)
-        if self.kind == "swiglu":
-            self.gate = Linear(features=self.hidden, axes=("embed", "mlp"), use_bias=self.bias, **dt)
-        self.down = Linear(features=self.width, axes=("mlp", "embed"), use_bias=self.bias,
-                           init_std=self.residual_std, **dt)
-        self.drop = nn.Dropout(self.dropout)
+        c, dt = self.cfg, dict(param_dtype=self.param_dtype, activation_dtype=self.activation_dtype)
+        if c.kind not in ("gelu", "gelu_exact", "swiglu"):
+            raise ValueError(f"unknown mlp {c.kind!r}; choose gelu, gelu_exact or swiglu")
+        self.up = Linear(features=c.hidden, axes=("embed", "mlp"), use_bias=c.bias, **dt)
+        if c.kind == "swiglu":
+            self.gate = Linear(features=c.hidden, axes=("embed", "mlp"), use_bias=c.bias, **dt)
+        self.down = Linear(features=c.width, axes=("mlp", "embed"), use_bias=c.bias,
+                           init_std=c.residual_std, **dt)
+        self.drop = nn.Dropout(c.dropout)
 
     def __call__(self, x_BTD: jax.Array, deterministic: bool = True) -> jax.Array:
-        if self.kind == "swiglu":
+        if self.cfg.kind == "swiglu":
             h_BTF = jax.nn.silu(self.gate(x_BTD)) * self.up(x_BTD)
         else:
-            h_BTF = jax.nn.gelu(self.up(x_BTD), approximate=self.kind == "gelu")
+            h_BTF = jax.nn.gelu(self.up(x_BTD), approximate=self.cfg.kind == "gelu")
         return self.drop(self.down(h_BTF), deterministic=deterministic)
 
     @classmethod
@@ -293,8 +310,8 @@ class Block(Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)).
     With parallel_residual (GPT-NeoX): x + attn(norm1(x)) + mlp(norm2(x))."""
 
-    attn_kwargs: Any = None  # the Attention's fields
-    mlp_kwargs: Any = None  # the MLP's fields
+    attention: AttentionConfig = AttentionConfig()
+    feedforward: MLPConfig = MLPConfig()
     norm: str = "layernorm"
     norm_eps: float = 1e-5
     norm_bias: bool = True
@@ -304,15 +321,18 @@ class Block(Module):
         dt = dict(param_dtype=self.param_dtype, activation_dtype=self.activation_dtype)
         norm = dict(kind=self.norm, eps=self.norm_eps, use_bias=self.norm_bias, **dt)
         self.ln_1, self.ln_2 = Norm(**norm), Norm(**norm)
-        self.attn = Attention(**self.attn_kwargs, **dt)
-        self.mlp = MLP(**self.mlp_kwargs, **dt)
+        self.attn = Attention(cfg=self.attention, **dt)
+        self.mlp = MLP(cfg=self.feedforward, **dt)
 
-    def __call__(self, x_BTD, pos_BT, allowed_BTS, deterministic=True, cache=None):
-        a_BTD, cache = self.attn(self.ln_1(x_BTD), pos_BT, allowed_BTS, deterministic, cache)
+    def __call__(self, x_BTD: jax.Array, pos_BT: jax.Array, allowed_BTS: jax.Array,
+                 deterministic: bool = True, kv: Optional[Tuple[jax.Array, jax.Array]] = None,
+                 slot: Optional[jax.Array] = None):
+        """(x_BTD after the block, the layer's updated cache or None)."""
+        a_BTD, kv = self.attn(self.ln_1(x_BTD), pos_BT, allowed_BTS, deterministic, kv, slot)
         if self.parallel_residual:
-            return x_BTD + a_BTD + self.mlp(self.ln_2(x_BTD), deterministic), cache
+            return x_BTD + a_BTD + self.mlp(self.ln_2(x_BTD), deterministic), kv
         x_BTD = x_BTD + a_BTD
-        return x_BTD + self.mlp(self.ln_2(x_BTD), deterministic), cache
+        return x_BTD + self.mlp(self.ln_2(x_BTD), deterministic), kv
 
     @classmethod
     def components(cls) -> List[Type[Any]]:
@@ -320,6 +340,16 @@ class Block(Module):
 
 
 # ----------------------------------------------------------------------------- GPT
+
+
+class KVCache(NamedTuple):
+    """The decoder's state: per layer keys and values [B, S, K, E], which of the S slots
+    hold real tokens [B, S], and the slot the next token goes to (a scalar)."""
+
+    keys: Tuple[jax.Array, ...]
+    values: Tuple[jax.Array, ...]
+    valid_BS: jax.Array
+    slot: jax.Array
 
 
 class GPT(Module):
@@ -347,10 +377,29 @@ class GPT(Module):
     parallel_residual: bool = False
     tie_embeddings: bool = True
 
+    # --- the optional sizes, resolved in one place (everything else reads these)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def head_width(self) -> int:
+        return self.head_dim or self.n_embd // self.n_head
+
+    @property
+    def mlp_width(self) -> int:
+        return self.mlp_hidden or 4 * self.n_embd
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        return self.bias if self.qkv_bias is None else self.qkv_bias
+
     @property
     def sharding(self) -> List[Tuple[str, Optional[str]]]:
-        # Megatron-style tensor parallelism: q/k/v and MLP-up split their outputs over
-        # "shard", attention-out and MLP-down their inputs; the vocabulary is split too.
+        # Data parallel: inputs split their batch over "batch" (see input_sharding). Megatron-
+        # style tensor parallel: q/k/v and MLP-up split their outputs over "shard",
+        # attention-out and MLP-down their inputs; the vocabulary is split too.
         return [("batch", "batch"), ("vocab", "shard"), ("heads", "shard"), ("kv_heads", "shard"),
                 ("mlp", "shard"), ("embed", None), ("head_dim", None)]
 
@@ -365,16 +414,16 @@ class GPT(Module):
                                 param_dtype=self.pdtype)
         self.drop = nn.Dropout(self.dropout)
         residual_std = 0.02 / math.sqrt(2 * self.n_layers)
-        attn = dict(width=self.n_embd, n_head=self.n_head, n_kv_head=self.n_kv_head or self.n_head,
-                    head_dim=self.head_dim or self.n_embd // self.n_head,
-                    bias=self.bias if self.qkv_bias is None else self.qkv_bias, out_bias=self.bias,
-                    qk_norm=self.qk_norm, norm_eps=self.norm_eps, rope=self.rope,
-                    rotary_fraction=self.rotary_fraction, rope_theta=self.rope_theta,
-                    dropout=self.dropout, residual_std=residual_std)
-        mlp = dict(width=self.n_embd, hidden=self.mlp_hidden or 4 * self.n_embd, kind=self.mlp,
-                   bias=self.bias, dropout=self.dropout, residual_std=residual_std)
-        self.blocks = [Block(attn_kwargs=attn, mlp_kwargs=mlp, norm=self.norm, norm_eps=self.norm_eps,
-                             norm_bias=self.bias, parallel_residual=self.parallel_residual, **dt)
+        attention = AttentionConfig(
+            width=self.n_embd, n_head=self.n_head, n_kv_head=self.kv_heads, head_dim=self.head_width,
+            qkv_bias=self.has_qkv_bias, out_bias=self.bias, qk_norm=self.qk_norm, norm_eps=self.norm_eps,
+            rope=self.rope, rotary_fraction=self.rotary_fraction, rope_theta=self.rope_theta,
+            dropout=self.dropout, residual_std=residual_std)
+        feedforward = MLPConfig(width=self.n_embd, hidden=self.mlp_width, kind=self.mlp, bias=self.bias,
+                                dropout=self.dropout, residual_std=residual_std)
+        self.blocks = [Block(attention=attention, feedforward=feedforward, norm=self.norm,
+                             norm_eps=self.norm_eps, norm_bias=self.bias,
+                             parallel_residual=self.parallel_residual, **dt)
                        for _ in range(self.n_layers)]
         self.ln_f = Norm(kind=self.norm, eps=self.norm_eps, use_bias=self.bias, **dt)
         if not self.tie_embeddings:
@@ -384,42 +433,44 @@ class GPT(Module):
 
     def embed(self, idx: jax.Array, deterministic: bool = False, positions: Optional[jax.Array] = None,
               **kwargs: Any) -> jax.Array:
-        """Token (+ learned position) embeddings of idx [B, T] -> [B, T, D]."""
-        x_BTD = self.wte(idx).astype(self.adtype)
+        """Token (+ learned position) embeddings of idx [B, T] -> x [B, T, D]."""
+        idx_BT = idx
+        x_BTD = self.wte(idx_BT).astype(self.adtype)
         if not self.rope:
-            x_BTD = x_BTD + self.wpe(positions_for(idx, positions)).astype(self.adtype)
+            x_BTD = x_BTD + self.wpe(positions_for(idx_BT, positions)).astype(self.adtype)
         return self.drop(x_BTD, deterministic=deterministic)
 
     def decode(self, x: jax.Array, padding_mask: Optional[jax.Array] = None, deterministic: bool = False,
-               positions: Optional[jax.Array] = None, cache: Optional[dict] = None, **kwargs: Any):
+               positions: Optional[jax.Array] = None, cache: Optional[KVCache] = None, **kwargs: Any):
         """Run the blocks over embeddings x [B, T, D]. Returns x, or (x, cache) with a cache.
 
         padding_mask [B, T] is True at real tokens; padded keys are never attended to, so
         padding cannot change real positions. With a cache (see init_cache), the T new
-        tokens go into slots cache["slot"] .. +T and attend to every earlier valid slot.
+        tokens go into slots cache.slot .. +T and attend to every earlier valid slot.
         """
-        B, T, _ = x.shape
+        x_BTD = x
+        B, T, _ = x_BTD.shape
         mask_BT = jnp.ones((B, T), bool) if padding_mask is None else padding_mask.astype(bool)
-        positions = positions_for(mask_BT, positions)
+        pos_BT = positions_for(mask_BT, positions)
         if cache is None:
             allowed_BTS = causal_allowed(mask_BT, jnp.arange(T), jnp.arange(T))
-            layers = [None] * self.n_layers
+            kvs, slot = [None] * self.n_layers, None
         else:
-            slot = cache["slot"]
-            valid_BS = jax.lax.dynamic_update_slice(cache["valid"], mask_BT, (0, slot))
-            S = valid_BS.shape[1]
-            allowed_BTS = causal_allowed(valid_BS, slot + jnp.arange(T), jnp.arange(S))
-            layers = [(k, v, slot) for k, v in cache["layers"]]
-        new_layers = []
-        for depth, (block, layer_cache) in enumerate(zip(self.blocks, layers)):
-            residual = x
-            x, kv = block(x, positions, allowed_BTS, deterministic, layer_cache)
-            self.measure(x, residual, depth, mask_BT)
-            new_layers.append(kv)
-        x = self.ln_f(x)
+            slot = cache.slot
+            valid_BS = jax.lax.dynamic_update_slice(cache.valid_BS, mask_BT, (0, slot))
+            allowed_BTS = causal_allowed(valid_BS, slot + jnp.arange(T), jnp.arange(valid_BS.shape[1]))
+            kvs = list(zip(cache.keys, cache.values))
+        new_kvs = []
+        for depth, (block, kv) in enumerate(zip(self.blocks, kvs)):
+            residual_BTD = x_BTD
+            x_BTD, kv = block(x_BTD, pos_BT, allowed_BTS, deterministic, kv, slot)
+            self.measure(x_BTD, residual_BTD, depth, mask_BT)
+            new_kvs.append(kv)
+        x_BTD = self.ln_f(x_BTD)
         if cache is None:
-            return x
-        return x, {"layers": new_layers, "valid": valid_BS, "slot": slot + T}
+            return x_BTD
+        keys, values = zip(*new_kvs)
+        return x_BTD, KVCache(tuple(keys), tuple(values), valid_BS, slot + T)
 
     def measure(self, x: jax.Array, residual: jax.Array, depth: int, padding_mask: Optional[jax.Array]) -> None:
         """Record block `depth`'s relative update ||x - residual|| / ||residual||.
@@ -430,15 +481,15 @@ class GPT(Module):
         """
         if not self.is_mutable_collection("intermediates"):
             return
-        x32, r32 = x.astype(jnp.float32), residual.astype(jnp.float32)
-        ratio_BT = jnp.linalg.norm(x32 - r32, axis=-1) / (jnp.linalg.norm(r32, axis=-1) + 1e-12)
+        x_BTD, r_BTD = x.astype(jnp.float32), residual.astype(jnp.float32)
+        ratio_BT = jnp.linalg.norm(x_BTD - r_BTD, axis=-1) / (jnp.linalg.norm(r_BTD, axis=-1) + 1e-12)
         weight_BT = jnp.ones_like(ratio_BT) if padding_mask is None else padding_mask.astype(jnp.float32)
         value = (ratio_BT * weight_BT).sum() / jnp.maximum(weight_BT.sum(), 1.0)
         self.sow("intermediates", "residual_update", value,
                  init_fn=lambda: [None] * self.n_layers, reduce_fn=lambda acc, v: _put(acc, depth, v))
 
     def unembed(self, x: jax.Array) -> jax.Array:
-        """Logits [..., V] of hidden states [..., D], in float32 (tied: the token embedding's transpose)."""
+        """Logits [..., V] of hidden states x [..., D], in float32 (tied: the token embedding's transpose)."""
         if self.tie_embeddings:
             logits = self.wte.attend(x.astype(self.adtype))
         else:
@@ -446,42 +497,40 @@ class GPT(Module):
         return logits.astype(jnp.float32)
 
     def loss(self, logits: jax.Array, targets: jax.Array) -> jax.Array:
-        """Mean cross-entropy over targets that are not -1."""
-        keep = targets != -1
-        nll = token_nll(logits, jnp.where(keep, targets, 0))
-        return (nll * keep).sum() / jnp.maximum(keep.sum(), 1)
+        """Mean cross-entropy of logits [B, T, V] over targets [B, T] that are not -1."""
+        keep_BT = targets != -1
+        nll_BT = token_nll(logits, jnp.where(keep_BT, targets, 0))
+        return (nll_BT * keep_BT).sum() / jnp.maximum(keep_BT.sum(), 1)
 
     def __call__(self, idx: jax.Array, targets: Optional[jax.Array] = None,
                  padding_mask: Optional[jax.Array] = None, deterministic: bool = False,
                  **kwargs: Any) -> Tuple[jax.Array, Optional[jax.Array]]:
         """idx [B, T] -> (logits [B, T, V], mean loss over targets != -1, or None)."""
-        positions = positions_for(padding_mask if padding_mask is not None else idx, None)
-        x = self.embed(idx, deterministic, positions=positions)
-        x = self.decode(x, padding_mask, deterministic, positions=positions)
-        logits = self.unembed(x)
-        return logits, None if targets is None else self.loss(logits, targets)
+        pos_BT = positions_for(padding_mask if padding_mask is not None else idx, None)
+        x_BTD = self.embed(idx, deterministic, positions=pos_BT)
+        x_BTD = self.decode(x_BTD, padding_mask, deterministic, positions=pos_BT)
+        logits_BTV = self.unembed(x_BTD)
+        return logits_BTV, None if targets is None else self.loss(logits_BTV, targets)
 
-    def extend(self, idx: jax.Array, padding_mask: jax.Array, cache: dict) -> Tuple[jax.Array, dict]:
+    def extend(self, idx: jax.Array, padding_mask: jax.Array, cache: KVCache) -> Tuple[jax.Array, KVCache]:
         """Append idx [B, T] to a KV cache: (logits of the last token [B, V], updated cache).
 
         Only the last position is unembedded: decoding needs nothing else, and for a
         prefill of T tokens the other T-1 rows of the [D, V] matmul would be wasted work.
         No dropout.
         """
-        count_B = cache["valid"].sum(-1)  # real tokens already in the cache
-        positions = count_B[:, None] + jnp.cumsum(padding_mask, -1) - 1
-        positions = jnp.maximum(positions, 0)
-        x = self.embed(idx, True, positions=positions)
-        x, cache = self.decode(x, padding_mask, True, positions=positions, cache=cache)
-        return self.unembed(x[:, -1]), cache
+        count_B = cache.valid_BS.sum(-1)  # real tokens already in the cache
+        pos_BT = jnp.maximum(count_B[:, None] + jnp.cumsum(padding_mask, -1) - 1, 0)
+        x_BTD = self.embed(idx, True, positions=pos_BT)
+        x_BTD, cache = self.decode(x_BTD, padding_mask, True, positions=pos_BT, cache=cache)
+        return self.unembed(x_BTD[:, -1]), cache
 
-    def init_cache(self, batch: int, length: int) -> dict:
+    def init_cache(self, batch: int, length: int) -> KVCache:
         """An empty KV cache with `length` slots per sequence."""
-        K = self.n_kv_head or self.n_head
-        E = self.head_dim or self.n_embd // self.n_head
-        zeros = lambda: jnp.zeros((batch, length, K, E), self.adtype)
-        return {"layers": [(zeros(), zeros()) for _ in range(self.n_layers)],
-                "valid": jnp.zeros((batch, length), bool), "slot": jnp.zeros((), jnp.int32)}
+        zeros = lambda: jnp.zeros((batch, length, self.kv_heads, self.head_width), self.adtype)
+        return KVCache(keys=tuple(zeros() for _ in range(self.n_layers)),
+                       values=tuple(zeros() for _ in range(self.n_layers)),
+                       valid_BS=jnp.zeros((batch, length), bool), slot=jnp.zeros((), jnp.int32))
 
     def flops(self, seq: int) -> float:
         total = sum(block.flops(seq) for block in self.blocks)
@@ -633,6 +682,12 @@ def param_shardings(model: Module, mesh: Mesh, boxed_shapes: Any) -> Any:
         return NamedSharding(mesh, PartitionSpec(*axes))
 
     return jax.tree.map(fit, mesh_specs, shapes, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def input_sharding(model: Module, mesh: Mesh, logical_axes: Tuple[Optional[str], ...]) -> NamedSharding:
+    """The sharding of an input whose dimensions carry `logical_axes`, through the model's
+    plan: ("batch", None) -> PartitionSpec("batch", None), the data-parallel split."""
+    return NamedSharding(mesh, nn.logical_to_mesh_axes(logical_axes, model.sharding))
 
 
 def abstract_params(model: Module, seq: int = 8) -> Any:
