@@ -13,7 +13,7 @@ What it does, in order:
 2. One GPT-2-small-shaped model with random weights is made by transformers
    (GPT2LMHeadModel, initializer_range --init-std so that greedy decoding has no near-ties),
    saved as a HuggingFace directory, and loaded from it twice: by this project
-   (evaluate.load_backbone + gpt.place_params) and by transformers (float32, eval mode).
+   (hf.load_backbone + gpt.place_params) and by transformers (float32, eval mode).
 3. Scoring: a PerplexityEvaluation of --batch random-token documents of --seq tokens.
    Each document is one rolling request ([BOS] + doc[:-1] -> doc), so the project runs
    exactly one jitted [1, batch, seq] block. Timed: the whole evaluation call (requests,
@@ -23,7 +23,7 @@ What it does, in order:
    (log_softmax + gather under torch.no_grad), and so does a bare jax.numpy GPT-2 forward
    written below (the ceiling for this model in jax). Summed scores must agree.
 4. Generation: greedy decoding with the KV cache, --batch prompts of --prompt tokens,
-   exactly --new-tokens new ones (the tokenizer here has no EOS): InferenceJob.rollout
+   exactly --new-tokens new ones (the tokenizer here has no EOS): InferenceJob.generate_until
    against transformers' generate. The tokens must be identical. Each is also timed with
    one new token (the prefill) to give a time per step, which is set beside two floors:
    the step's matmuls alone and one read of every parameter byte.
@@ -50,36 +50,42 @@ from typing import Any, Callable, Dict, List
 import jax
 import jax.numpy as jnp
 import numpy as np
+import transformers
+
+try:  # only the side-by-side run needs torch; --limits runs without it
+    import torch
+except ImportError:
+    torch = None
 
 import evaluate
 import gpt
-from jobs import ByteTokenizer, ExecutionSpec, UsageError, parse_options
+from hf import load_backbone
+from jobs import ByteTokenizer, ExecutionSpec, UsageError, exit_status, option, parse_options
 
 
 @dataclasses.dataclass
 class BenchConfig:
     """Options of `python bench.py` (validated: unknown names and bad types fail)."""
 
-    layers: int = 12
-    width: int = 768
-    heads: int = 12
-    vocab: int = 50257
-    context: int = 1024
-    batch: int = 8
-    seq: int = 512  # tokens per scored document
-    prompt: int = 32
-    new_tokens: int = 64
-    reps: int = 3
-    init_std: float = 0.2  # GPT-2 uses 0.02; larger logits keep greedy argmaxes far from ties
-    matmul_sizes: str = "2048,4096"
-    torch_threads: int = 0  # 0: os.cpu_count(), the threads XLA's CPU client uses
-    seed: int = 0
-    json: bool = False
-    # --limits: this project alone against the machine's own limits (made for a GPU or TPU)
-    limits: bool = False
-    dtype: str = "float32"  # parameters and activations of the --limits model
-    peak_tflops: float = 0.0  # nominal matmul peak per device at --dtype, e.g. 790 on an H200 (0: none)
-    memory_tbps: float = 0.0  # nominal memory bandwidth per device, e.g. 4.3 on an H200 (0: none)
+    layers: int = option(12, "transformer blocks of the benchmarked GPT-2-shaped model")
+    width: int = option(768, "model width")
+    heads: int = option(12, "attention heads")
+    vocab: int = option(50257, "vocabulary size")
+    context: int = option(1024, "context length (n_positions)")
+    batch: int = option(8, "rows scored, and prompts decoded, at once")
+    seq: int = option(512, "tokens per scored document")
+    prompt: int = option(32, "prompt tokens before decoding")
+    new_tokens: int = option(64, "tokens decoded after each prompt")
+    reps: int = option(3, "timed rounds after the warm-up")
+    init_std: float = option(0.2, "init std (GPT-2 uses 0.02; larger logits keep greedy argmaxes far from ties)")
+    matmul_sizes: str = option("2048,4096", "square matmul sizes raced for the FLOP/s peak")
+    torch_threads: int = option(0, "torch threads (0: os.cpu_count(), the threads XLA's CPU client uses)")
+    seed: int = option(0, "weights, documents and prompts")
+    json: bool = option(False, "print one JSON object of every number instead of the tables")
+    limits: bool = option(False, "this project alone against the machine's own limits (made for a GPU or TPU)")
+    dtype: str = option("float32", "parameters and activations of the --limits model")
+    peak_tflops: float = option(0.0, "nominal matmul peak per device at --dtype, e.g. 790 on an H200 (0: none)")
+    memory_tbps: float = option(0.0, "nominal memory bandwidth per device, e.g. 4.3 on an H200 (0: none)")
 
 
 # ----------------------------------------------------------------------------- timing
@@ -173,28 +179,22 @@ class IdTokenizer:
         return " ".join(map(str, ids))
 
 
-def save_hf_model(a: BenchConfig, path: str) -> None:
+def save_hf_model(cfg: BenchConfig, path: str) -> None:
     """A randomly initialized transformers GPT-2 written as a HuggingFace directory."""
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(a.seed)
-    config = GPT2Config(vocab_size=a.vocab, n_positions=a.context, n_embd=a.width, n_layer=a.layers,
-                        n_head=a.heads, initializer_range=a.init_std, bos_token_id=a.vocab - 1,
-                        eos_token_id=a.vocab - 1)
-    GPT2LMHeadModel(config).save_pretrained(path)
+    torch.manual_seed(cfg.seed)
+    config = transformers.GPT2Config(vocab_size=cfg.vocab, n_positions=cfg.context, n_embd=cfg.width, n_layer=cfg.layers,
+                        n_head=cfg.heads, initializer_range=cfg.init_std, bos_token_id=cfg.vocab - 1,
+                        eos_token_id=cfg.vocab - 1)
+    transformers.GPT2LMHeadModel(config).save_pretrained(path)
 
 
-def load_models(a: BenchConfig, path: str):
+def load_models(cfg: BenchConfig, path: str):
     """(GPT, variables on the mesh, the mesh, transformers' model) from one HuggingFace directory."""
-    import torch
-    from transformers import GPT2LMHeadModel
-
-    model, host = evaluate.load_backbone(path, "float32")
+    model, host = load_backbone(path, "float32")
     mesh = gpt.make_mesh()
     variables = gpt.place_params(model, mesh, host)
-    torch.set_num_threads(a.torch_threads or os.cpu_count())
-    hf = GPT2LMHeadModel.from_pretrained(path, dtype=torch.float32).eval()
+    torch.set_num_threads(cfg.torch_threads or os.cpu_count())
+    hf = transformers.GPT2LMHeadModel.from_pretrained(path, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None  # like the project's rollout here: never stop early
     return model, variables, mesh, hf
 
@@ -235,8 +235,6 @@ def bare_loglik(params: Any, tokens_BT: jax.Array, targets_BT: jax.Array, n_head
 
 def hf_loglik(hf: Any, tokens_BT: np.ndarray, targets_BT: np.ndarray) -> np.ndarray:
     """Summed log-likelihood of targets per row [B] from transformers."""
-    import torch
-
     with torch.no_grad():
         logits_BTV = hf(torch.from_numpy(tokens_BT).long()).logits
         logp_BTV = torch.log_softmax(logits_BTV, -1)
@@ -257,15 +255,15 @@ def matmul_peak(out: Dict[str, Any], sizes: List[int]) -> Dict[str, Any]:
     return {"size": size, "flops_per_s": 2 * size ** 3 / matmuls[size]["best"]}
 
 
-def bench_scoring(a: BenchConfig, model, variables, mesh, hf, log: CompileLog) -> Dict[str, Any]:
+def bench_scoring(cfg: BenchConfig, model, variables, mesh, hf, log: CompileLog) -> Dict[str, Any]:
     """Tokens/s of the three scorers on the same rows, raced with the matmul peak;
     asserts that their summed log-likelihoods agree."""
-    tokenizer = IdTokenizer(a.vocab)
-    docs_BT = np.random.default_rng(a.seed).integers(0, a.vocab, (a.batch, a.seq), dtype=np.int32)
+    tokenizer = IdTokenizer(cfg.vocab)
+    docs_BT = np.random.default_rng(cfg.seed).integers(0, cfg.vocab, (cfg.batch, cfg.seq), dtype=np.int32)
     dataset = [{"text": tokenizer.decode(doc.tolist())} for doc in docs_BT]
     evaluation = evaluate.PerplexityEvaluation("random", dataset)
-    evaluator = evaluator_for(model, variables, tokenizer, mesh, [evaluation], a.batch)
-    tokens_BT = np.concatenate([np.full((a.batch, 1), tokenizer.bos_token_id, np.int32), docs_BT[:, :-1]], 1)
+    evaluator = evaluator_for(model, variables, tokenizer, mesh, [evaluation], cfg.batch)
+    tokens_BT = np.concatenate([np.full((cfg.batch, 1), tokenizer.bos_token_id, np.int32), docs_BT[:, :-1]], 1)
 
     def project():  # the whole evaluation: requests, padding, transfer, jitted scan, records
         result = evaluation.result(evaluator, tokenizer, keep_rows=True)
@@ -275,19 +273,19 @@ def bench_scoring(a: BenchConfig, model, variables, mesh, hf, log: CompileLog) -
 
     bare = jax.jit(lambda p, x, y: bare_loglik(p, x, y, model.n_head))
     x, y = jnp.asarray(tokens_BT), jnp.asarray(docs_BT)
-    sizes = [int(n) for n in a.matmul_sizes.split(",")]
+    sizes = [int(n) for n in cfg.matmul_sizes.split(",")]
     out = race({"project": project, "transformers": lambda: hf_loglik(hf, tokens_BT, docs_BT),
                 "bare_jax": lambda: bare(variables["params"], x, y), **matmul_contenders(sizes)},
-               a.reps, log)
+               cfg.reps, log)
     peak = matmul_peak(out, sizes)
     sums = {name: float(np.sum(np.asarray(r.pop("out"), np.float64))) for name, r in out.items()}
     for name, value in sums.items():
         rel = abs(value - sums["transformers"]) / abs(sums["transformers"])
         assert rel < 1e-4, f"summed log-likelihood: {name} {value} vs transformers {sums['transformers']}"
         out[name].update(loglik=value, rel_diff=rel)
-    flops = model.bind(variables).flops(a.seq) / 3 * a.batch  # forward only
+    flops = model.bind(variables).flops(cfg.seq) / 3 * cfg.batch  # forward only
     for r in out.values():
-        r.update(tokens_per_s=a.batch * a.seq / r["best"], flops_per_s=flops / r["best"])
+        r.update(tokens_per_s=cfg.batch * cfg.seq / r["best"], flops_per_s=flops / r["best"])
     return {"flops": flops, "peak": peak, **out}
 
 
@@ -296,8 +294,6 @@ def bench_scoring(a: BenchConfig, model, variables, mesh, hf, log: CompileLog) -
 
 def hf_generate(hf: Any, prompts_BP: np.ndarray, n_new: int) -> np.ndarray:
     """transformers' greedy decoding of exactly n_new tokens: the new tokens [B, N]."""
-    import torch
-
     ids = torch.from_numpy(prompts_BP).long()
     with torch.no_grad():
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, use_cache=True,
@@ -307,8 +303,6 @@ def hf_generate(hf: Any, prompts_BP: np.ndarray, n_new: int) -> np.ndarray:
 
 def hf_step_logits(hf: Any, prompts_BP: np.ndarray, new_BN: np.ndarray) -> np.ndarray:
     """The logits each greedy step chose from [B, N, V], by one teacher-forced forward."""
-    import torch
-
     ids = torch.from_numpy(np.concatenate([prompts_BP, new_BN[:, :-1]], 1)).long()
     with torch.no_grad():
         return hf(ids).logits[:, prompts_BP.shape[1] - 1:].numpy()
@@ -333,8 +327,8 @@ def greedy(evaluator: evaluate.Evaluator, prompts: List[List[int]], n_new: int,
     """The evaluation's greedy rollout as a contender: padding, transfer, the jitted prefill
     and while_loop, the host copy. Returns the new tokens [B, n_new]."""
     def rollout() -> np.ndarray:
-        outputs = evaluator.rollout(enumerate(prompts), n_new, 0.0, 1.0, seed)
-        return np.array([new for _, new, _, _ in outputs])
+        requests = [evaluate.GenerationRequest(i, p) for i, p in enumerate(prompts)]
+        return np.array([g.tokens for _, g in evaluator.generate_until(requests, n_new, 0.0, 1.0, seed)])
     return rollout
 
 
@@ -360,20 +354,20 @@ def decode_floors(variables: Any, rows: int, seed: int) -> Dict[str, Callable[[]
     return {"step_matmuls": lambda: products(x_RK, matrices), "read_params": lambda: read(stream_N)}
 
 
-def bench_generation(a: BenchConfig, model, variables, mesh, hf, log: CompileLog) -> Dict[str, Any]:
+def bench_generation(cfg: BenchConfig, model, variables, mesh, hf, log: CompileLog) -> Dict[str, Any]:
     """New tokens/s of the project's rollout and transformers' generate on the same prompts,
     their time per step less the prefill, and the floors under a step (decode_floors);
     asserts that the tokens are identical unless a near-tie explains the difference."""
-    tokenizer = IdTokenizer(a.vocab)
-    prompts_BP = np.random.default_rng(a.seed + 1).integers(0, a.vocab, (a.batch, a.prompt), dtype=np.int32)
-    evaluator = evaluator_for(model, variables, tokenizer, mesh, [], a.batch)
+    tokenizer = IdTokenizer(cfg.vocab)
+    prompts_BP = np.random.default_rng(cfg.seed + 1).integers(0, cfg.vocab, (cfg.batch, cfg.prompt), dtype=np.int32)
+    evaluator = evaluator_for(model, variables, tokenizer, mesh, [], cfg.batch)
 
     prompts = prompts_BP.tolist()
-    out = race({"project": greedy(evaluator, prompts, a.new_tokens, a.seed),
-                "transformers": lambda: hf_generate(hf, prompts_BP, a.new_tokens),
-                "project_prefill": greedy(evaluator, prompts, 1, a.seed),
+    out = race({"project": greedy(evaluator, prompts, cfg.new_tokens, cfg.seed),
+                "transformers": lambda: hf_generate(hf, prompts_BP, cfg.new_tokens),
+                "project_prefill": greedy(evaluator, prompts, 1, cfg.seed),
                 "transformers_prefill": lambda: hf_generate(hf, prompts_BP, 1),
-                **decode_floors(variables, a.batch, a.seed)}, a.reps, log)
+                **decode_floors(variables, cfg.batch, cfg.seed)}, cfg.reps, log)
     ours, theirs = out["project"].pop("out"), out["transformers"].pop("out")
     check = tie_report(ours, theirs, hf_step_logits(hf, prompts_BP, theirs))
     # float32 sums in another order move logits by ~1e-5 relative: only a near-tie may flip
@@ -381,15 +375,15 @@ def bench_generation(a: BenchConfig, model, variables, mesh, hf, log: CompileLog
     floors = {name: out.pop(name)["best"] for name in ("step_matmuls", "read_params")}
     for name in ("project", "transformers"):
         prefill = out.pop(f"{name}_prefill")["best"]
-        out[name].update(tokens_per_s=a.batch * a.new_tokens / out[name]["best"], prefill=prefill,
-                         per_step=(out[name]["best"] - prefill) / (a.new_tokens - 1))
+        out[name].update(tokens_per_s=cfg.batch * cfg.new_tokens / out[name]["best"], prefill=prefill,
+                         per_step=(out[name]["best"] - prefill) / (cfg.new_tokens - 1))
     return {"check": check, "floors": floors, "param_bytes": nbytes(variables), **out}
 
 
 # ----------------------------------------------------------------------------- the machine's limits
 
 
-def bench_limits(a: BenchConfig, log: CompileLog) -> Dict[str, Any]:
+def bench_limits(cfg: BenchConfig, log: CompileLog) -> Dict[str, Any]:
     """This project alone against limits measured in the same run (made for a GPU or TPU,
     where transformers' PyTorch model is not the peer that matters):
     - scoring: a PerplexityEvaluation of --batch x --seq tokens; its model FLOP/s as a
@@ -398,24 +392,24 @@ def bench_limits(a: BenchConfig, log: CompileLog) -> Dict[str, Any]:
       time per token (less the prefill) against the time a jitted sum takes to read as
       many bytes as the parameters hold: each step must read every parameter once.
     The model is this project's GPT-2-shaped GPT with random weights, in --dtype."""
-    model = gpt.GPT(n_layers=a.layers, n_embd=a.width, n_head=a.heads, vocab_size=a.vocab,
-                    block_size=a.context, param_dtype=a.dtype, activation_dtype=a.dtype)
+    model = gpt.GPT(n_layers=cfg.layers, n_embd=cfg.width, n_head=cfg.heads, vocab_size=cfg.vocab,
+                    block_size=cfg.context, param_dtype=cfg.dtype, activation_dtype=cfg.dtype)
     mesh = gpt.make_mesh()
-    variables = gpt.init_params(model, mesh, seed=a.seed)
+    variables = gpt.init_params(model, mesh, seed=cfg.seed)
     param_bytes = nbytes(variables)
-    tokenizer = IdTokenizer(a.vocab)
-    rng = np.random.default_rng(a.seed)
-    docs = [{"text": tokenizer.decode(doc.tolist())} for doc in rng.integers(0, a.vocab, (a.batch, a.seq))]
+    tokenizer = IdTokenizer(cfg.vocab)
+    rng = np.random.default_rng(cfg.seed)
+    docs = [{"text": tokenizer.decode(doc.tolist())} for doc in rng.integers(0, cfg.vocab, (cfg.batch, cfg.seq))]
     evaluation = evaluate.PerplexityEvaluation("random", docs)
-    scorer = evaluator_for(model, variables, tokenizer, mesh, [evaluation], a.batch)
-    prompt = rng.integers(0, a.vocab, (1, a.prompt)).tolist()
+    scorer = evaluator_for(model, variables, tokenizer, mesh, [evaluation], cfg.batch)
+    prompt = rng.integers(0, cfg.vocab, (1, cfg.prompt)).tolist()
     decoder = evaluator_for(model, variables, tokenizer, mesh, [], 1)
-    sizes = [int(n) for n in a.matmul_sizes.split(",")]
+    sizes = [int(n) for n in cfg.matmul_sizes.split(",")]
     out = race({"scoring": lambda: evaluation.result(scorer, tokenizer).scores,
-                "prefill": greedy(decoder, prompt, 1, a.seed),
-                "decode": greedy(decoder, prompt, a.new_tokens, a.seed),
-                **decode_floors(variables, 1, a.seed), **matmul_contenders(sizes, a.dtype)},
-               a.reps, log)
+                "prefill": greedy(decoder, prompt, 1, cfg.seed),
+                "decode": greedy(decoder, prompt, cfg.new_tokens, cfg.seed),
+                **decode_floors(variables, 1, cfg.seed), **matmul_contenders(sizes, cfg.dtype)},
+               cfg.reps, log)
     for r in out.values():
         r.pop("out")
     peak = matmul_peak(out, sizes)
@@ -423,10 +417,10 @@ def bench_limits(a: BenchConfig, log: CompileLog) -> Dict[str, Any]:
     # "devices" (--xla_force_host_platform_device_count) share the same cores
     peak["devices"] = 1 if jax.default_backend() == "cpu" else jax.device_count()
     peak["flops_per_s"] *= peak["devices"]
-    flops = model.bind(variables).flops(a.seq) / 3 * a.batch  # forward only
-    scoring = dict(out["scoring"], flops=flops, tokens_per_s=a.batch * a.seq / out["scoring"]["best"],
+    flops = model.bind(variables).flops(cfg.seq) / 3 * cfg.batch  # forward only
+    scoring = dict(out["scoring"], flops=flops, tokens_per_s=cfg.batch * cfg.seq / out["scoring"]["best"],
                    flops_per_s=flops / out["scoring"]["best"])
-    per_token = (out["decode"]["best"] - out["prefill"]["best"]) / (a.new_tokens - 1)
+    per_token = (out["decode"]["best"] - out["prefill"]["best"]) / (cfg.new_tokens - 1)
     bound = out["read_params"]["best"]
     decoding = dict(out["decode"], prefill=out["prefill"]["best"], per_token=per_token, bound=bound,
                     step_matmuls=out["step_matmuls"]["best"])
@@ -435,30 +429,30 @@ def bench_limits(a: BenchConfig, log: CompileLog) -> Dict[str, Any]:
             "device": jax.devices()[0].device_kind, "n_devices": jax.device_count()}
 
 
-def limits_table(a: BenchConfig, r: Dict[str, Any]) -> str:
+def limits_table(cfg: BenchConfig, r: Dict[str, Any]) -> str:
     x = r["limits"]
     peak, bandwidth, s, d = x["peak"]["flops_per_s"], x["bandwidth"], x["scoring"], x["decoding"]
     mb = x["param_bytes"] / 1e6
-    lines = [f"model: {a.layers} layers, {a.width} wide, {a.heads} heads, vocab {a.vocab}, "
-             f"{x['params'] / 1e6:.1f}M parameters, {a.dtype} ({mb:.0f} MB), random weights",
+    lines = [f"model: {cfg.layers} layers, {cfg.width} wide, {cfg.heads} heads, vocab {cfg.vocab}, "
+             f"{x['params'] / 1e6:.1f}M parameters, {cfg.dtype} ({mb:.0f} MB), random weights",
              f"machine: {x['n_devices']} x {x['device']}; jax {jax.__version__}",
-             f"matmul peak: {peak / 1e12:.2f} TFLOP/s {a.dtype} (jitted {x['peak']['size']}^2"
+             f"matmul peak: {peak / 1e12:.2f} TFLOP/s {cfg.dtype} (jitted {x['peak']['size']}^2"
              + (f" on one device, x {x['peak']['devices']})" if x["peak"]["devices"] > 1 else ")"),
              f"memory read: {bandwidth / 1e12:.3f} TB/s (jitted sum over {mb:.0f} MB)", "",
-             f"scoring {a.batch} x {a.seq} tokens (PerplexityEvaluation, {s['flops'] / 1e12:.2f} TFLOP "
+             f"scoring {cfg.batch} x {cfg.seq} tokens (PerplexityEvaluation, {s['flops'] / 1e12:.2f} TFLOP "
              f"forward): best {s['best']:.3f} s (median {s['median']:.3f}, compile {s['compile']:.1f} s), "
              f"{s['tokens_per_s']:.0f} tokens/s",
              f"  {s['flops_per_s'] / 1e12:.2f} TFLOP/s = {s['flops_per_s'] / peak:.1%} of the measured peak"
-             + (f", {s['flops_per_s'] / (a.peak_tflops * 1e12 * x['peak']['devices']):.1%} of the nominal "
-                f"{a.peak_tflops:g} TFLOP/s per device" if a.peak_tflops else ""),
-             f"greedy decoding, batch 1, {a.prompt}-token prompt, {a.new_tokens} new: best {d['best']:.3f} s "
+             + (f", {s['flops_per_s'] / (cfg.peak_tflops * 1e12 * x['peak']['devices']):.1%} of the nominal "
+                f"{cfg.peak_tflops:g} TFLOP/s per device" if cfg.peak_tflops else ""),
+             f"greedy decoding, batch 1, {cfg.prompt}-token prompt, {cfg.new_tokens} new: best {d['best']:.3f} s "
              f"(median {d['median']:.3f}, compile {d['compile']:.1f} s), prefill {d['prefill'] * 1e3:.1f} ms",
              f"  {d['per_token'] * 1e3:.3f} ms per token; its matmuls alone take "
              f"{d['step_matmuls'] * 1e3:.3f} ms; reading the parameters once {d['bound'] * 1e3:.3f} ms: "
              f"{d['bound'] / d['per_token']:.1%} of this bound"]
-    if a.memory_tbps:
-        nominal = x["param_bytes"] / (a.memory_tbps * 1e12)
-        lines[-1] += f", {nominal / d['per_token']:.1%} of the nominal {a.memory_tbps:g} TB/s bound"
+    if cfg.memory_tbps:
+        nominal = x["param_bytes"] / (cfg.memory_tbps * 1e12)
+        lines[-1] += f", {nominal / d['per_token']:.1%} of the nominal {cfg.memory_tbps:g} TB/s bound"
     lines.append(f"\nbench ran {r['seconds']:.0f} s")
     return "\n".join(lines)
 
@@ -472,11 +466,11 @@ def row(name: str, x: Dict[str, Any]) -> str:
     return f"  {name:14s} {x['first']:8.2f} {compile_s:>8s} {x['best']:7.2f} {x['median']:7.2f}"
 
 
-def scoring_table(a: BenchConfig, s: Dict[str, Any]) -> List[str]:
+def scoring_table(cfg: BenchConfig, s: Dict[str, Any]) -> List[str]:
     peak = s["peak"]["flops_per_s"]
     lines = [f"matmul peak: {peak / 1e9:.1f} GFLOP/s float32 "
              f"(jitted {s['peak']['size']}^2, raced with scoring)",
-             "", f"scoring {a.batch} x {a.seq} tokens, forward + log-softmax gather "
+             "", f"scoring {cfg.batch} x {cfg.seq} tokens, forward + log-softmax gather "
              f"({s['flops'] / 1e9:.1f} GFLOP per call, forward only)",
              f"  {'':14s} {'first s':>8s} {'compile':>8s} {'best s':>7s} {'median':>7s} {'tokens/s':>9s} "
              f"{'GFLOP/s':>8s} {'MFU':>6s} {'vs bare':>8s}"]
@@ -489,8 +483,8 @@ def scoring_table(a: BenchConfig, s: Dict[str, Any]) -> List[str]:
     return lines
 
 
-def generation_table(a: BenchConfig, g: Dict[str, Any]) -> List[str]:
-    lines = [f"greedy generation, KV cache: {a.batch} prompts x {a.prompt} tokens, {a.new_tokens} new",
+def generation_table(cfg: BenchConfig, g: Dict[str, Any]) -> List[str]:
+    lines = [f"greedy generation, KV cache: {cfg.batch} prompts x {cfg.prompt} tokens, {cfg.new_tokens} new",
              f"  {'':14s} {'first s':>8s} {'compile':>8s} {'best s':>7s} {'median':>7s} {'new tok/s':>9s} "
              f"{'vs hf':>8s}"]
     for name in ("project", "transformers"):
@@ -503,7 +497,7 @@ def generation_table(a: BenchConfig, g: Dict[str, Any]) -> List[str]:
     p, t, f, gb = g["project"], g["transformers"], g["floors"], g["param_bytes"] / 1e9
     lines += [f"  per step, less the prefill: project {p['per_step'] * 1e3:.1f} ms, transformers "
               f"{t['per_step'] * 1e3:.1f} ms (prefill {p['prefill']:.2f} s and {t['prefill']:.2f} s)",
-              f"  floors under a step of {a.batch} rows: its matmuls alone {f['step_matmuls'] * 1e3:.1f} ms "
+              f"  floors under a step of {cfg.batch} rows: its matmuls alone {f['step_matmuls'] * 1e3:.1f} ms "
               f"(weights at {gb / f['step_matmuls']:.1f} GB/s), reading the parameters once "
               f"{f['read_params'] * 1e3:.1f} ms ({gb / f['read_params']:.1f} GB/s)"]
     return lines
@@ -519,13 +513,13 @@ def compilation_table(runs: List[Dict[str, Any]]) -> List[str]:
     return lines
 
 
-def table(a: BenchConfig, r: Dict[str, Any]) -> str:
-    lines = [f"model: {a.layers} layers, {a.width} wide, {a.heads} heads, vocab {a.vocab}, context "
-             f"{a.context}, {r['params'] / 1e6:.1f}M parameters, float32, random weights (std {a.init_std})",
+def table(cfg: BenchConfig, r: Dict[str, Any]) -> str:
+    lines = [f"model: {cfg.layers} layers, {cfg.width} wide, {cfg.heads} heads, vocab {cfg.vocab}, context "
+             f"{cfg.context}, {r['params'] / 1e6:.1f}M parameters, float32, random weights (std {cfg.init_std})",
              f"machine: {r['cpus']} CPUs (load average {r['load'][0]:.1f} -> {r['load'][1]:.1f}); "
              f"jax {jax.__version__}, torch {r['torch']} ({r['torch_threads']} threads), "
              f"transformers {r['transformers']} (attention: {r['hf_attention']})",
-             *scoring_table(a, r["scoring"]), "", *generation_table(a, r["generation"]), "",
+             *scoring_table(cfg, r["scoring"]), "", *generation_table(cfg, r["generation"]), "",
              *compilation_table(r["compilation"]["runs"])]
     if max(r["load"]) > r["cpus"]:
         lines += ["", f"note: the machine was busy (load average up to {max(r['load']):.1f} on {r['cpus']} "
@@ -535,11 +529,10 @@ def table(a: BenchConfig, r: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def against_transformers(a: BenchConfig, log: CompileLog, say: Callable[[str], None]) -> Dict[str, Any]:
+def against_transformers(cfg: BenchConfig, log: CompileLog, say: Callable[[str], None]) -> Dict[str, Any]:
     """The default run: compile counts, then scoring and generation beside transformers."""
-    import torch
-    import transformers
-
+    if torch is None:
+        raise UsageError("the side-by-side run needs torch (pip install torch==2.13.0); --limits does not")
     transformers.utils.logging.disable_progress_bar()
     results: Dict[str, Any] = {"cpus": os.cpu_count(), "torch": torch.__version__,
                                "transformers": transformers.__version__}
@@ -547,42 +540,38 @@ def against_transformers(a: BenchConfig, log: CompileLog, say: Callable[[str], N
     results["compilation"] = compile_counts(log)
     say("making the random GPT-2 and loading it into the project and transformers")
     with tempfile.TemporaryDirectory(prefix="bench-gpt2-") as path:
-        save_hf_model(a, path)
-        model, variables, mesh, hf = load_models(a, path)
+        save_hf_model(cfg, path)
+        model, variables, mesh, hf = load_models(cfg, path)
     results.update(params=gpt.count_params(variables), hf_attention=hf.config._attn_implementation,
                    torch_threads=torch.get_num_threads())
-    say(f"scoring, raced with the matmul peak: warm-up + {a.reps} rounds")
-    results["scoring"] = bench_scoring(a, model, variables, mesh, hf, log)
-    say(f"generation: warm-up + {a.reps} rounds")
-    results["generation"] = bench_generation(a, model, variables, mesh, hf, log)
+    say(f"scoring, raced with the matmul peak: warm-up + {cfg.reps} rounds")
+    results["scoring"] = bench_scoring(cfg, model, variables, mesh, hf, log)
+    say(f"generation: warm-up + {cfg.reps} rounds")
+    results["generation"] = bench_generation(cfg, model, variables, mesh, hf, log)
     return results
 
 
-def main(argv: List[str]) -> int:
-    try:
-        a = parse_options(BenchConfig, argv)
-        gpt.dtype_of(a.dtype)
-    except (UsageError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+def bench(argv: List[str]) -> None:
+    cfg = parse_options(BenchConfig, argv)
+    if cfg.dtype not in gpt.DTYPES:
+        raise UsageError(f"--dtype: unknown dtype {cfg.dtype!r}; choose one of {', '.join(gpt.DTYPES)}")
     started = time.perf_counter()
     say = lambda text: print(f"[{time.perf_counter() - started:5.0f} s] {text}", file=sys.stderr, flush=True)
-    say(f"bench {dataclasses.asdict(a)}")
+    say(f"bench {dataclasses.asdict(cfg)}")
     log = CompileLog()
-    results: Dict[str, Any] = {"config": dataclasses.asdict(a), "load": [os.getloadavg()[0]]}
-    if a.limits:
-        say(f"limits: scoring, batch-1 decoding, matmul peak and memory read: warm-up + {a.reps} rounds")
-        results["limits"] = bench_limits(a, log)
+    results: Dict[str, Any] = {"config": dataclasses.asdict(cfg), "load": [os.getloadavg()[0]]}
+    if cfg.limits:
+        say(f"limits: scoring, batch-1 decoding, matmul peak and memory read: warm-up + {cfg.reps} rounds")
+        results["limits"] = bench_limits(cfg, log)
     else:
-        results.update(against_transformers(a, log, say))
+        results.update(against_transformers(cfg, log, say))
     results["seconds"] = time.perf_counter() - started
     results["load"].append(os.getloadavg()[0])  # other processes' load makes every number noisy
-    if a.json:
+    if cfg.json:
         print(json.dumps(results, indent=2))
     else:
-        print(limits_table(a, results) if a.limits else table(a, results))
-    return 0
+        print(limits_table(cfg, results) if cfg.limits else table(cfg, results))
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(exit_status(lambda: bench(sys.argv[1:])))

@@ -8,6 +8,8 @@ against lm-evaluation-harness, reliability (bad input, interruption, the same an
 every mesh and on two processes). Torch and lm-eval are test-only: their tests skip with a
 reason where they are missing.
 """
+import ast
+import dataclasses
 import functools
 import json
 import os
@@ -40,7 +42,9 @@ jax.config.update("jax_numpy_rank_promotion", "raise")  # broadcasting must be e
 import evaluate
 import gpt
 import jobs
-from evaluate import export_gpt2, load_backbone
+import hf
+import train
+from hf import export_gpt2, load_backbone
 from jobs import HFTokenizer, UsageError
 
 ROOT = Path(__file__).resolve().parent
@@ -483,8 +487,9 @@ def test_rollout_equals_full_recompute_greedy(small):
     model, host = small
     ev = evaluator(small, [], batch_size=3)
     prompts = [list(b"12+3"), list(b"the cat"), list(b"a")]
-    out = list(ev.rollout(iter(enumerate(prompts)), 6, 0.0, 1.0, 0))
-    for (i, new, truncated, _), prompt in zip(out, prompts):
+    requests = [evaluate.GenerationRequest(i, p) for i, p in enumerate(prompts)]
+    out = [(g.tokens, g.truncated) for _, g in ev.generate_until(requests, 6, 0.0, 1.0, 0)]
+    for (new, truncated), prompt in zip(out, prompts):
         expected = greedy_by_recompute(model, host, prompt, 6)
         if 256 in expected:
             expected = expected[:expected.index(256)]
@@ -601,22 +606,58 @@ def test_cli_malformed_line_names_file_and_line(tiny_ckpt, tmp_path):
 def test_registry_and_jobs_cli():
     assert {"gpt/evaluate", "backbone/evaluate", "gpt/train/pretrain"} <= set(jobs.JOBS)
     assert jobs.JOBS["gpt/evaluate"] is evaluate.Evaluate
+    # `python jobs.py KEY` finds each job through ENTRY_POINTS: the table says what @job says
+    assert {key: f"{cls.__module__}:{cls.__name__}" for key, cls in jobs.JOBS.items()} == jobs.ENTRY_POINTS
     listing = subprocess.run([sys.executable, str(ROOT / "jobs.py")], capture_output=True, text=True)
     assert listing.returncode == 0 and "gpt/train/pretrain" in listing.stdout
     helped = cli("--help")
-    assert helped.returncode == 0 and "--max-new-tokens" in helped.stdout and "--coordinator" in helped.stdout
+    assert helped.returncode == 0
+    for field in dataclasses.fields(evaluate.EvaluatorConfig):  # every option says what it does
+        line = next(l for l in helped.stdout.splitlines() if l.split()[:1] == ["--" + field.name.replace("_", "-")])
+        assert field.metadata["help"] in line, line
+    trained = subprocess.run([sys.executable, str(ROOT / "train.py"), "--help"], capture_output=True, text=True)
+    assert trained.returncode == 0 and "--micro-batch-size" in trained.stdout and "optimizer steps" in trained.stdout
     for args, needle in [(["nope/job"], "unknown job"), (["gpt/train/pretrain", "--stepz", "3"], "--stepz"),
-                         (["gpt/train/pretrain", "--steps", "three"], "must be int")]:
+                         (["gpt/train/pretrain", "--steps", "three"], "must be int"),
+                         (["gpt/train/pretrain", "--steps", "0"], "--steps")]:
         proc = subprocess.run([sys.executable, str(ROOT / "jobs.py"), *args], capture_output=True, text=True)
         assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr
 
 
+PROJECT_FILES = {"gpt": 0, "jobs": 1, "hf": 2, "evaluate": 3, "train": 4, "bench": 4}  # import order
+
+
+def test_imports_flow_one_way_and_sit_at_the_top():
+    """gpt.py <- jobs.py <- hf.py <- evaluate.py <- train.py, bench.py: each file imports only
+    files before it, and only at module level (no import inside a function)."""
+    for name, rank in PROJECT_FILES.items():
+        tree = ast.parse((ROOT / f"{name}.py").read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                inner = [ast.unparse(n) for n in ast.walk(node) if isinstance(n, (ast.Import, ast.ImportFrom))]
+                assert not inner, f"{name}.py: {node.name} imports {inner}"
+            modules = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                       [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for module in modules:
+                top = module.split(".")[0]
+                assert PROJECT_FILES.get(top, -1) < rank, f"{name}.py imports {top}.py"
+
+
+def test_gpt_py_works_copied_alone(tmp_path):
+    shutil.copy(ROOT / "gpt.py", tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    proc = subprocess.run([sys.executable, "gpt.py"], cwd=tmp_path, capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert proc.returncode == 0 and "parameters" in proc.stdout and "greedy" in proc.stdout, proc.stderr[-2000:]
+
+
 def test_trainer_learns_and_evaluates_through_from_trainer(tmp_path):
-    config = jobs.TrainConfig(out=str(tmp_path / "train"), steps=30, batch_size=8, micro_batch_size=4,
+    config = train.TrainConfig(out=str(tmp_path / "train"), steps=30, batch_size=8, micro_batch_size=4,
                               seq_len=64, n_layers=1, n_embd=32, n_head=2, warmup=5, ckpt_every=15,
                               quiet=True)
-    spec = jobs.ExecutionSpec(name="gpt/train/pretrain", out_dir=config.out, config=config)
-    trainer = jobs.BaseTrainer(spec)
+    spec = jobs.ExecutionSpec(name="gpt/train/pretrain", out_dir=config.out, cfg=config)
+    trainer = train.BaseTrainer(spec)
     trainer.run()
     log = [json.loads(line) for line in (tmp_path / "train" / "train_log.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in log if "loss" in r]
@@ -1028,8 +1069,9 @@ def test_cli_on_a_huggingface_directory(hf_models, tmp_path):
         expected = hf_document_nll(hf, tok.encode(doc["text"], add_special_tokens=False), tok.eos_token_id, 128)
         np.testing.assert_allclose(sample["nll"], expected, rtol=1e-4)
     # bfloat16 parameters and activations: the same documents, close to the float32 numbers
-    proc = cli("--ckpt", path, "--data", f"ppl:{docs}", "--out", tmp_path / "bf16", "--dtype", "bfloat16", "--quiet")
+    proc = cli("--ckpt", path, "--data", f"ppl:{docs}", "--out", tmp_path / "bf16", "--dtype", "bfloat16")
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stderr.splitlines()[-1] == f"results: {tmp_path / 'bf16' / 'results.json'}"  # says where
     bf16 = json.loads((tmp_path / "bf16" / "results.json").read_text())
     assert bf16["model"]["param_dtype"] == "bfloat16"
     np.testing.assert_allclose(bf16["results"]["docs"], results["results"]["docs"], rtol=0.05)
@@ -1397,7 +1439,7 @@ def test_bad_datasets_fail_with_one_line(ckpt, tmp_path):
 
 BAD_OPTIONS = [
     (["--evals", "grammar,nope"], ["nope", "grammar", "addition"]),
-    (["--mesh", "3x3"], ["mesh", "9 devices"]),
+    (["--mesh", "3x3"], ["mesh", "9 devices", "XLA_FLAGS=--xla_force_host_platform_device_count=N"]),
     (["--mesh", "fourxtwo"], ["mesh", "BATCHxSHARD"]),
     (["--batch-size", "0"], ["--batch-size"]),
     (["--limit", "-1"], ["--limit"]),
@@ -1588,14 +1630,15 @@ def test_killed_training_leaves_a_loadable_checkpoint(tmp_path):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
     proc = subprocess.Popen([sys.executable, str(ROOT / "jobs.py"), "gpt/train/pretrain", "--out", str(out),
                              "--steps", "100000", "--ckpt-every", "2", "--batch-size", "4", "--seq-len", "32",
-                             "--n-layers", "1", "--n-embd", "32", "--quiet"], env=env,
+                             "--n-layers", "1", "--n-embd", "32"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while not (out / "model.safetensors").exists() and time.time() < deadline:
         time.sleep(0.5)
     time.sleep(3)
     proc.kill()
-    proc.communicate()
+    _, err = proc.communicate()
+    assert "step 10/100000: loss" in err  # no terminal: progress comes as plain lines
     mesh = gpt.make_mesh(1, 1, devices=jax.devices()[:1])
     model, variables, config = jobs.load_checkpoint(str(out), mesh)
     assert config["step"] >= 2 and model.n_embd == 32

@@ -1,0 +1,212 @@
+"""A minimal trainer: the default tiny GPT learns the built-in data, then is evaluated.
+
+    python train.py                          # 600 steps on CPU (about 4 minutes), into runs/train
+    python train.py --steps 300 --out DIR    # the same as: python jobs.py gpt/train/pretrain ...
+    python evaluate.py --ckpt runs/train     # score the checkpoint it wrote
+
+Reading order: TrainConfig -> the training text (a mix of the four built-in tasks) ->
+BaseTrainer: optimizer, batches, one jitted step, the loop (checkpoints, logs, and an
+evaluation through Evaluator.from_trainer at the end).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm import tqdm
+
+import gpt
+import jobs
+from evaluate import Evaluator
+from jobs import ByteTokenizer, ExecutionSpec, Node, UsageError, builtin_items, job, option, save_checkpoint
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Options of `python train.py` (the job gpt/train/pretrain)."""
+
+    out: str = option("runs/train", "checkpoint directory, then what evaluate.py --ckpt takes")
+    steps: int = option(600, "optimizer steps")
+    batch_size: int = option(32, "sequences per step")
+    micro_batch_size: int = option(0, "accumulate gradients over micro-batches of this size (0: off)")
+    seq_len: int = option(128, "tokens per sequence")
+    lr: float = option(3e-3, "peak learning rate (AdamW)")
+    warmup: int = option(50, "steps of linear warmup, then cosine decay")
+    min_lr_ratio: float = option(0.1, "final learning rate as a fraction of --lr")
+    weight_decay: float = option(0.1, "AdamW weight decay on matrices")
+    eval_every: int = option(0, "evaluate every N steps (0: only at the end)")
+    ckpt_every: int = option(200, "write a checkpoint every N steps (and at the end)")
+    seed: int = option(0, "initial weights and data order")
+    mesh: Optional[str] = option(None, "device mesh BATCHxSHARD (default: every device on batch)")
+    n_layers: int = option(4, "transformer blocks")
+    n_embd: int = option(128, "model width")
+    n_head: int = option(4, "attention heads")
+    rope: bool = option(True, "rotary positions (learn copying and digit alignment much faster)")
+    quiet: bool = option(False, "no progress output")
+
+    def validate(self) -> None:
+        for name in ("steps", "batch_size", "seq_len", "ckpt_every", "n_layers", "n_embd", "n_head"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+        micro = self.micro_batch_size or self.batch_size
+        if micro < 1 or self.batch_size % micro:
+            raise UsageError(f"--batch-size {self.batch_size} is not a multiple of --micro-batch-size {micro}")
+
+
+# ----------------------------------------------------------------------------- data
+
+TRAINING_MIX = {"addition": 0.6, "repeat": 0.2, "grammar": 0.1, "text": 0.1}  # share of lines
+
+
+def training_text(seed: int) -> Iterator[str]:
+    """Lines mixing all four tasks, from the train split only. Addition and copying are
+    the slowest to learn, so they get most of the lines."""
+    streams = {t: builtin_items(t, "train", seed) for t in TRAINING_MIX}
+    rng = random.Random(seed)
+    while True:
+        task = rng.choices(list(TRAINING_MIX), weights=list(TRAINING_MIX.values()))[0]
+        item = next(streams[task])
+        yield item if isinstance(item, str) else item[0] + item[1]  # pairs: prompt + answer
+
+
+# ----------------------------------------------------------------------------- trainer
+
+
+@job("gpt/train/pretrain")
+class BaseTrainer:
+    """Train a GPT on the built-in data with AdamW; checkpoints are native directories."""
+
+    CONFIG = TrainConfig
+    EVALUATION = ["text", "grammar", "addition", "repeat"]  # built-in evaluations, by name
+    LOG_EVERY_S = 5.0  # without a terminal (a log file, CI), a progress line this often
+
+    def __init__(self, spec: ExecutionSpec, base: Optional[Node] = None):
+        self.spec, self.base = spec, base
+        self.cfg: TrainConfig = spec.cfg or TrainConfig()
+        self.mesh = spec.make_mesh()
+        self.model = gpt.GPT(n_layers=self.cfg.n_layers, n_embd=self.cfg.n_embd, n_head=self.cfg.n_head,
+                             rope=self.cfg.rope, block_size=max(self.cfg.seq_len, gpt.GPT.block_size))
+        self.variables = gpt.init_params(self.model, self.mesh, spec.seed)
+        self.tokenizer = ByteTokenizer()
+        self.step = 0
+
+    @classmethod
+    def config(cls) -> List[type]:
+        return [cls.CONFIG]
+
+    def optimizer(self) -> optax.GradientTransformation:
+        """AdamW (b2 0.95; no decay on norms and biases), warmup then cosine, clipping at 1."""
+        c = self.cfg
+        schedule = optax.warmup_cosine_decay_schedule(0.0, c.lr, c.warmup, max(c.steps, c.warmup + 1),
+                                                      c.lr * c.min_lr_ratio)
+        decay = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+        return optax.chain(optax.clip_by_global_norm(1.0),
+                           optax.adamw(schedule, b2=0.95, weight_decay=c.weight_decay, mask=decay))
+
+    def batches(self) -> Iterator[np.ndarray]:
+        """[batch, seq_len + 1] windows of the packed byte stream, EOS between lines."""
+        c, lines = self.cfg, training_text(self.spec.seed)
+        need = c.batch_size * (c.seq_len + 1)
+        buffer: List[int] = []
+        while True:
+            while len(buffer) < need:
+                buffer += self.tokenizer.encode(next(lines)) + [self.tokenizer.eos_token_id]
+            chunk, buffer = buffer[:need], buffer[need:]
+            yield np.array(chunk, np.int32).reshape(c.batch_size, c.seq_len + 1)
+
+    def train_step(self, tx: optax.GradientTransformation) -> Callable:
+        """One AdamW step; gradients accumulate over micro-batches with lax.scan."""
+        c, model = self.cfg, self.model
+        micro = c.micro_batch_size or c.batch_size
+        accum = c.batch_size // micro
+
+        def loss_fn(params, tokens_BT, key):
+            _, loss = model.apply({"params": params}, tokens_BT[:, :-1], tokens_BT[:, 1:],
+                                  deterministic=False, rngs={"dropout": key})
+            return loss
+
+        def step(state, tokens_BT, key):
+            params, opt_state = state
+
+            def add(total, micro_BT):
+                loss, grads = jax.value_and_grad(loss_fn)(params, micro_BT, key)
+                return jax.tree.map(jnp.add, total, (loss, grads)), None
+
+            zero = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
+            (loss, grads), _ = jax.lax.scan(add, zero, tokens_BT.reshape(accum, micro, -1))
+            grads = jax.tree.map(lambda g: g / accum, grads)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return (optax.apply_updates(params, updates), opt_state), loss / accum
+
+        return step
+
+    def run(self) -> None:
+        c = self.cfg
+        tx = self.optimizer()
+        params = self.variables["params"]
+        state = (params, self.place_optimizer_state(jax.jit(tx.init)(params)))
+        state_shardings = jax.tree.map(lambda x: x.sharding, state)
+        batch_sharding = gpt.input_sharding(self.model, self.mesh, ("batch", None))
+        step = jax.jit(self.train_step(tx), out_shardings=(state_shardings, None), donate_argnums=0)
+        bar = tqdm(total=c.steps, desc="train", disable=c.quiet or not sys.stderr.isatty())
+        data, tokens_per_step = self.batches(), c.batch_size * c.seq_len
+        started, last_line = time.time(), 0.0  # the first line comes at once, then every LOG_EVERY_S
+        for self.step in range(1, c.steps + 1):
+            batch = jax.device_put(next(data), batch_sharding)
+            state, loss = step(state, batch, jax.random.key(self.spec.seed * 1_000_003 + self.step))
+            self.variables = {"params": state[0]}
+            if self.step % 10 == 0 or self.step == c.steps:
+                rate = tokens_per_step * self.step / (time.time() - started)
+                bar.set_postfix(loss=f"{float(loss):.3f}", tok_s=f"{rate:,.0f}")
+                self.log({"step": self.step, "loss": float(loss), "tokens_per_s": rate})
+                if bar.disable and not c.quiet and time.time() - last_line > self.LOG_EVERY_S:
+                    self.say(f"step {self.step}/{c.steps}: loss {float(loss):.3f}, {rate:,.0f} tokens/s")
+                    last_line = time.time()
+            bar.update(1)
+            if self.step % c.ckpt_every == 0 or self.step == c.steps:
+                self.save()
+            if c.eval_every and self.step % c.eval_every == 0 and self.step != c.steps:
+                self.evaluate()
+        bar.close()
+        self.evaluate()
+        self.say(f"checkpoint: {c.out} (python evaluate.py --ckpt {c.out})")
+
+    def place_optimizer_state(self, opt_state: Any) -> Any:
+        """Adam's moments inherit their parameter's sharding; step counters are replicated."""
+        replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        keep = lambda x: x.sharding if isinstance(x.sharding, jax.sharding.NamedSharding) else replicated
+        return jax.device_put(opt_state, jax.tree.map(keep, opt_state))
+
+    def log(self, record: Dict[str, Any]) -> None:
+        if self.spec.is_main:
+            Path(self.cfg.out).mkdir(parents=True, exist_ok=True)
+            with open(Path(self.cfg.out) / "train_log.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def say(self, text: str) -> None:
+        if self.spec.is_main and not self.cfg.quiet:
+            print(text, file=sys.stderr)
+
+    def save(self) -> None:
+        save_checkpoint(self.cfg.out, self.model, self.variables, self.tokenizer.describe(),
+                        {"step": self.step, "seed": self.spec.seed})
+
+    def evaluate(self) -> Dict[str, float]:
+        """The declared EVALUATION on the live parameters, through Evaluator.from_trainer."""
+        scores = Evaluator.from_trainer(self).evaluate()
+        self.say(f"step {self.step}: " + ", ".join(f"{k} {v:.4g}" for k, v in scores.items()))
+        self.log({"step": self.step, "eval": scores})
+        return scores
+
+
+if __name__ == "__main__":
+    sys.exit(jobs.main([BaseTrainer.KEY, *sys.argv[1:]]))
