@@ -211,11 +211,25 @@ class AttentionConfig:
     residual_std: float = 0.02
 
 
+def attend_causal(q_BTHE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array) -> jax.Array:
+    """Causal attention within one sequence per row, every key a real token or padding
+    after the last real one (right padding: a real query never sees it).
+
+    jax.nn.dot_product_attention: on a GPU in bfloat16/float16, cuDNN's fused kernel
+    (flash attention: the [T, S] scores are never written to memory); elsewhere XLA's
+    einsums, float32 scores and softmax as in attend().
+    """
+    fused = jax.default_backend() == "gpu" and q_BTHE.dtype in (jnp.bfloat16, jnp.float16)
+    return jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, is_causal=True,
+                                        implementation="cudnn" if fused else "xla")
+
+
 class Attention(Module):
     """Causal self-attention with grouped key/value heads, optional q/k norm and rotary.
 
     With a layer cache (k_BSKE, v_BSKE), the new keys and values are written at `slot` and
     the queries attend over all S cache slots; `allowed_BTS` says which ones they may see.
+    allowed_BTS None means plain causal attention (see attend_causal).
     """
 
     cfg: AttentionConfig = AttentionConfig()
@@ -253,7 +267,10 @@ class Attention(Module):
         else:  # write the T new keys/values into their cache slots, then attend over all S
             k_BSKE = jax.lax.dynamic_update_slice(kv[0], k_BTKE.astype(kv[0].dtype), (0, slot, 0, 0))
             v_BSKE = jax.lax.dynamic_update_slice(kv[1], v_BTKE.astype(kv[1].dtype), (0, slot, 0, 0))
-        y_BTHE = attend(q_BTHE, k_BSKE.astype(q_BTHE.dtype), v_BSKE.astype(q_BTHE.dtype), allowed_BTS)
+        if allowed_BTS is None:  # causal, no padding mask, no cache: the fused path
+            y_BTHE = attend_causal(q_BTHE, k_BSKE, v_BSKE)
+        else:
+            y_BTHE = attend(q_BTHE, k_BSKE.astype(q_BTHE.dtype), v_BSKE.astype(q_BTHE.dtype), allowed_BTS)
         y_BTD = self.o(y_BTHE.reshape(B, T, c.n_head * c.head_dim))
         return self.drop(y_BTD, deterministic=deterministic), None if kv is None else (k_BSKE, v_BSKE)
 
@@ -445,15 +462,16 @@ class GPT(Module):
         """Run the blocks over embeddings x [B, T, D]. Returns x, or (x, cache) with a cache.
 
         padding_mask [B, T] is True at real tokens; padded keys are never attended to, so
-        padding cannot change real positions. With a cache (see init_cache), the T new
+        padding cannot change real positions. Without one, every row is a sequence from
+        position 0 (right padding, if any, is never seen by the real tokens before it). With a cache (see init_cache), the T new
         tokens go into slots cache.slot .. +T and attend to every earlier valid slot.
         """
         x_BTD = x
         B, T, _ = x_BTD.shape
         mask_BT = jnp.ones((B, T), bool) if padding_mask is None else padding_mask.astype(bool)
         pos_BT = positions_for(mask_BT, positions)
-        if cache is None:
-            allowed_BTS = causal_allowed(mask_BT, jnp.arange(T), jnp.arange(T))
+        if cache is None:  # without a padding mask, plain causal attention (the fused path)
+            allowed_BTS = None if padding_mask is None else causal_allowed(mask_BT, jnp.arange(T), jnp.arange(T))
             kvs, slot = [None] * self.n_layers, None
         else:
             slot = cache.slot
@@ -608,7 +626,8 @@ def generate(model: GPT, params: Any, prompt_BP: jax.Array, mask_BP: jax.Array, 
 
     prompt_BP is left-padded (mask_BP True at real tokens). One prefill call fills the
     cache, then a while_loop adds one token per step until max_new_tokens or until every
-    row has produced eos_id. The cache holds exactly P + max_new_tokens slots. keys_B
+    row has produced eos_id (a row with an empty prompt only pads the batch: it counts as
+    done from the start). The cache holds exactly P + max_new_tokens slots. keys_B
     (one PRNG key per sample) makes sampling independent of batching. Returns the new
     tokens [B, N]; after a row's eos_id the rest of the row repeats eos_id.
     """
@@ -637,7 +656,8 @@ def generate(model: GPT, params: Any, prompt_BP: jax.Array, mask_BP: jax.Array, 
 
     first_B = pick(logits_BV, 0)
     out_BN = jnp.full((B, N), stop if eos_id is not None else 0, jnp.int32)
-    carry = (jnp.zeros((), jnp.int32), first_B, cache, out_BN, jnp.zeros((B,), bool))
+    done_B = ~mask_BP.any(-1)  # rows that only pad a batch are done before they start
+    carry = (jnp.zeros((), jnp.int32), first_B, cache, out_BN, done_B)
     return jax.lax.while_loop(cond, body, carry)[3]
 
 
