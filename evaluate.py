@@ -513,9 +513,20 @@ def builtin_evaluation(name: str, limit: Optional[int] = None) -> DatasetEvaluat
 # ----------------------------------------------------------------------------- inference
 
 
-def bucket(n: int, cap: int, smallest: int = 16) -> int:
-    """The next power of two >= n (at least `smallest`, at most `cap`): few distinct shapes."""
-    return min(cap, max(smallest, 1 << max(n - 1, 0).bit_length()))
+SORT_WINDOW = 8  # blocks' worth of requests sorted by length at a time
+LOGITS_BYTES = 1 << 28  # float32 logits unembedded at a time when scoring (256 MB)
+
+
+def padded_length(n: int, cap: int) -> int:
+    """n rounded up to a multiple of 1/32 of its next power of two (at least 16), at most
+    cap: at most ~6% of a row is padding, and there are at most 16 lengths per octave (so
+    few shapes, so few compilations)."""
+    step = max(16, (1 << max(n - 1, 0).bit_length()) // 32)
+    return min(cap, -(-max(n, 1) // step) * step)
+
+
+def largest_power_of_two(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
 
 
 class Parts(NamedTuple):
@@ -530,14 +541,15 @@ class Parts(NamedTuple):
 class InferenceJob:
     """Holds the model, its sharded parameters, the mesh and the tokenizer, and runs requests.
 
-    How work reaches the devices: requests are padded into host blocks [chunks, batch,
-    length] (left padding, length rounded up to a power of two, so there are few shapes and
-    so few compilations). A block's batch dimension is split over the mesh's "batch" axis
-    (the model's sharding plan maps the logical "batch" to it) and replicated over "shard",
-    where the parameters are split instead. jax.make_array_from_callback asks each process
-    only for the slices its own devices hold, so with several hosts no process uploads the
-    whole block. One jitted call scans over the chunks (only one chunk's logits exist at a
-    time); its outputs are replicated, so every process reads every score.
+    How work reaches the devices: requests are taken a window at a time, sorted by length
+    (longest first, as lm-eval's backends do), and cut into blocks [chunks, batch, length]
+    of similar lengths, so little of a block is padding (see schedule and padded_length).
+    A block's batch dimension is split over the mesh's "batch" axis (the model's sharding
+    plan maps the logical "batch" to it) and replicated over "shard", where the parameters
+    are split instead. jax.make_array_from_callback asks each process only for the slices
+    its own devices hold, so with several hosts no process uploads the whole block. One
+    jitted call scans over the chunks; its outputs are replicated, so every process reads
+    every result. Results come back in the order the requests went in.
     """
 
     def __init__(self, spec: ExecutionSpec, base: Optional[Node] = None, parts: Optional[Parts] = None):
@@ -576,14 +588,14 @@ class InferenceJob:
         """The per-chunk batch, rounded up to a multiple of the data-parallel size."""
         return -(-self.cfg.batch_size // self.dp) * self.dp
 
-    def pad(self, rows: List[List[int]], length: int, count: int) -> Tuple[np.ndarray, np.ndarray]:
-        """Left-pad `rows` to [count, length] tokens and a mask (True at real tokens)."""
+    def pad(self, rows: List[List[int]], length: int, count: int, left: bool) -> Tuple[np.ndarray, np.ndarray]:
+        """`rows` padded to [count, length] tokens, on the left (generation: every prompt ends
+        where decoding starts) or the right (scoring), and a mask True at real tokens."""
         tokens = np.zeros((count, length), np.int32)
         mask = np.zeros((count, length), bool)
         for i, row in enumerate(rows):
-            if row:
-                tokens[i, length - len(row):] = row
-                mask[i, length - len(row):] = True
+            where = slice(length - len(row), length) if left else slice(0, len(row))
+            tokens[i, where], mask[i, where] = row, True
         return tokens, mask
 
     def put(self, block: np.ndarray) -> jax.Array:
@@ -591,36 +603,73 @@ class InferenceJob:
         sharding = gpt.input_sharding(self.model, self.mesh, (None, "batch") + (None,) * (block.ndim - 2))
         return jax.make_array_from_callback(block.shape, sharding, lambda index: block[index])
 
-    def blocks(self, items: Iterator[Any]) -> Iterator[Tuple[List[Any], int, int]]:
-        """Group items into blocks of chunks x batch_size, the chunk count a power of two."""
-        per_block = self.batch_size * self.cfg.chunks
-        while True:
-            group = list(itertools.islice(items, per_block))
-            if not group:
-                return
-            chunks = bucket(-(-len(group) // self.batch_size), self.cfg.chunks, smallest=1)
-            yield group, chunks, self.batch_size
+    def schedule(self, n: int) -> Iterator[Tuple[int, int, int]]:
+        """(start, chunks, rows) blocks for n requests sorted by length: full blocks of
+        --chunks batches, the rest as powers of two of batches (5 batches: 4 + 1, never a
+        batch of padding alone), and a short last batch as the next power of two of rows
+        (a multiple of the data-parallel size). So only a few shapes, for any n."""
+        start = 0
+        while n - start >= self.batch_size:
+            chunks = largest_power_of_two(min(self.cfg.chunks, (n - start) // self.batch_size))
+            yield start, chunks, self.batch_size
+            start += chunks * self.batch_size
+        if start < n:
+            rows = 1 << max(n - start - 1, 0).bit_length()
+            yield start, 1, min(self.batch_size, -(-rows // self.dp) * self.dp)
+
+    def in_blocks(self, requests: Iterable[Any], length_of: Callable[[Any], int],
+                  run_block: Callable[[List[Any], int, int], List[Any]]) -> Iterator[Tuple[Any, Any]]:
+        """(request, result) in request order; run_block(requests, chunks, rows) runs one
+        block. A window of SORT_WINDOW blocks' requests is sorted by length at a time, so
+        memory does not grow with the dataset."""
+        requests = iter(requests)
+        while window := list(itertools.islice(requests, self.batch_size * self.cfg.chunks * SORT_WINDOW)):
+            order = sorted(range(len(window)), key=lambda i: -length_of(window[i]))
+            results: List[Any] = [None] * len(window)
+            for start, chunks, rows in self.schedule(len(window)):
+                picked = order[start:start + chunks * rows]
+                for i, result in zip(picked, run_block([window[i] for i in picked], chunks, rows)):
+                    results[i] = result
+            yield from zip(window, results)
 
     # --- the jitted kernels
 
-    def forward(self, tokens: jax.Array, mask: jax.Array, variables: Any = None) -> jax.Array:
-        """Logits [B, T, V] for left-padded tokens (mask True at real ones); no dropout."""
-        variables = self.variables if variables is None else variables
-        logits_BTV, _ = self.model.apply(variables, tokens, padding_mask=mask, deterministic=True)
-        return logits_BTV
+    def hidden(self, variables: Any, tokens_BT: jax.Array) -> jax.Array:
+        """Final hidden states [B, T, D] of right-padded rows, each starting at position 0;
+        no padding mask, so attention takes the fused causal path (gpt.attend_causal)."""
+        embed_and_decode = lambda m, idx: m.decode(m.embed(idx, True), None, True)
+        return self.model.apply(variables, tokens_BT, method=embed_and_decode)
 
-    def _score_block(self, variables, tokens_CBT, targets_CBT, weights_CBT, mask_CBT):
+    def token_scores(self, variables: Any, x_BTD: jax.Array, targets_BT: jax.Array) -> Tuple[jax.Array, jax.Array]:
+        """(log-probability of each target [B, T], whether it is the argmax [B, T]),
+        unembedding a few positions at a time so the float32 logits [B, T, V] never exist
+        whole (a 151,936-token vocabulary at 16 x 1024 would be 10 GB)."""
+        B, T, D = x_BTD.shape
+        P = T  # positions per piece: halved while the piece's logits exceed LOGITS_BYTES
+        while 4 * B * P * self.model.vocab_size > LOGITS_BYTES and P % 2 == 0:
+            P //= 2
+        x_NBPD = x_BTD.reshape(B, T // P, P, D).transpose(1, 0, 2, 3)
+        targets_NBP = targets_BT.reshape(B, T // P, P).transpose(1, 0, 2)
+
+        def piece(args):
+            x_BPD, t_BP = args
+            logits_BPV = self.model.apply(variables, x_BPD, method=gpt.GPT.unembed)
+            return -gpt.token_nll(logits_BPV, t_BP), jnp.argmax(logits_BPV, -1) == t_BP
+
+        logprob_NBP, correct_NBP = jax.lax.map(piece, (x_NBPD, targets_NBP))
+        return logprob_NBP.transpose(1, 0, 2).reshape(B, T), correct_NBP.transpose(1, 0, 2).reshape(B, T)
+
+    def _score_block(self, variables, tokens_CBT, targets_CBT, weights_CBT):
         """Per row of a [chunks, batch, length] block: summed log-probability of the weighted
         targets, how many of them are the argmax, and how many there are. One lax.scan over
-        the chunks, so only one chunk's logits [batch, length, vocab] exist at a time."""
+        the chunks, so only one chunk's activations exist at a time."""
         def one_chunk(_, chunk):
-            tokens_BT, targets_BT, weights_BT, mask_BT = chunk
-            logits_BTV = self.forward(tokens_BT, mask_BT, variables)
-            logprob_BT = jnp.where(weights_BT, -gpt.token_nll(logits_BTV, targets_BT), 0.0)
-            correct_BT = (jnp.argmax(logits_BTV, -1) == targets_BT) & weights_BT
-            return None, (logprob_BT.sum(-1), correct_BT.sum(-1), weights_BT.sum(-1))
+            tokens_BT, targets_BT, weights_BT = chunk
+            logprob_BT, correct_BT = self.token_scores(variables, self.hidden(variables, tokens_BT), targets_BT)
+            logprob_BT = jnp.where(weights_BT, logprob_BT, 0.0)
+            return None, (logprob_BT.sum(-1), (correct_BT & weights_BT).sum(-1), weights_BT.sum(-1))
 
-        return jax.lax.scan(one_chunk, None, (tokens_CBT, targets_CBT, weights_CBT, mask_CBT))[1]
+        return jax.lax.scan(one_chunk, None, (tokens_CBT, targets_CBT, weights_CBT))[1]
 
     def _generator(self, n_new: int, temperature: float, top_p: float) -> Callable:
         """A jitted rollout of a block [chunks, batch, prompt_len], one per decoding setting."""
@@ -644,38 +693,30 @@ class InferenceJob:
     # --- the three request types
 
     def loglikelihood(self, requests: Iterable[Request], keep_rows: bool = False) -> Iterator[Tuple[Request, Scored]]:
-        """(request, its Scored) for each request, in order, streamed block by block. A
-        request with an empty continuation has nothing to score and is not run."""
-        for group, chunks, batch in self.blocks(iter(requests)):
-            scored = self.score_block([r for r in group if r.continuation], chunks, batch, keep_rows)
-            for request in group:
-                yield request, next(scored) if request.continuation else Scored(0.0, 0, 0)
-
-    def score_block(self, requests: List[Request], chunks: int, batch: int, keep_rows: bool) -> Iterator[Scored]:
-        """Run one block of requests: the last max_len + 1 tokens of context + continuation
-        minus the last one go in, the continuation's tokens are scored."""
-        if not requests:
-            return
-        rows = []
-        for r in requests:
+        """(request, its Scored) for each request, in order. The input is the last max_len + 1
+        tokens of context + continuation, minus the last one; the continuation is scored."""
+        def inputs(r: Request) -> List[int]:
             if len(r.continuation) > self.max_len:
                 raise UsageError(f"a continuation of {len(r.continuation)} tokens does not fit "
                                  f"the context of {self.max_len}")
-            whole = (r.context + r.continuation)[-(self.max_len + 1):]
-            rows.append((whole[:-1], whole[1:], len(r.continuation)))
-        length = bucket(max(len(inputs) for inputs, _, _ in rows), self.max_len)
-        n = chunks * batch
-        tokens, mask = self.pad([inputs for inputs, _, _ in rows], length, n)
-        targets, _ = self.pad([targets for _, targets, _ in rows], length, n)
-        weights = np.zeros((n, length), bool)
-        for i, (_, _, k) in enumerate(rows):
-            weights[i, length - k:] = True
-        shape = (chunks, batch, length)
-        out = self._score(self.variables, *(self.put(a.reshape(shape)) for a in (tokens, targets, weights, mask)))
-        logprob, correct, count = (np.asarray(o).reshape(-1) for o in out)
-        for i in range(len(rows)):
-            yield Scored(float(logprob[i]), int(count[i]), int(correct[i]),
-                         (tokens[i], mask[i]) if keep_rows else None)
+            return (r.context + r.continuation)[-(self.max_len + 1):]
+
+        def run_block(block: List[Request], chunks: int, rows: int) -> List[Scored]:
+            wholes = [inputs(r) for r in block]
+            length, n = padded_length(max(len(w) - 1 for w in wholes), self.max_len), chunks * rows
+            tokens, mask = self.pad([w[:-1] for w in wholes], length, n, left=False)
+            targets, _ = self.pad([w[1:] for w in wholes], length, n, left=False)
+            weights = np.zeros((n, length), bool)
+            for i, (w, r) in enumerate(zip(wholes, block)):
+                weights[i, len(w) - 1 - len(r.continuation):len(w) - 1] = True
+            shape = (chunks, rows, length)
+            out = self._score(self.variables, *(self.put(a.reshape(shape)) for a in (tokens, targets, weights)))
+            logprob, correct, count = (np.asarray(o).reshape(-1) for o in out)
+            return [Scored(float(logprob[i]), int(count[i]), int(correct[i]),
+                           (tokens[i], mask[i]) if keep_rows else None) for i in range(len(block))]
+
+        return self.in_blocks(requests, lambda r: min(len(r.context) + len(r.continuation), self.max_len + 1),
+                              run_block)
 
     def loglikelihood_rolling(self, documents: Iterable[List[int]], keep_rows: bool = False) -> Iterator[List[Scored]]:
         """Every token of each document (token ids) scored once in rolling windows, after
@@ -691,29 +732,31 @@ class InferenceJob:
                        keep_rows: bool = False) -> Iterator[Tuple[GenerationRequest, Generation]]:
         """Up to n_new tokens after each prompt (greedy, or sampled with temperature/top_p):
         (request, its Generation) in order. Sampling keys depend on the document index only,
-        so the same seed gives the same text at any batch size or mesh."""
+        so the same seed gives the same text at any batch size, mesh or order."""
         room = self.max_len - n_new
         if room < 1:
             raise UsageError(f"--max-new-tokens {n_new} leaves no room in the context of {self.max_len}")
-        eos = self.tokenizer.eos_token_id
-        run = self._generator(n_new, temperature, top_p)
-        for group, chunks, batch in self.blocks(iter(requests)):
-            cut = [r.prompt[-room:] for r in group]
-            length = bucket(max(len(c) for c in cut), room, smallest=8)
-            n = chunks * batch
-            tokens, mask = self.pad(cut, length, n)
+        eos, run = self.tokenizer.eos_token_id, self._generator(n_new, temperature, top_p)
+        seed = self.spec.seed if seed is None else seed
+
+        def run_block(block: List[GenerationRequest], chunks: int, rows: int) -> List[Generation]:
+            prompts = [r.prompt[-room:] for r in block]
+            length, n = padded_length(max(map(len, prompts)), room), chunks * rows
+            tokens, mask = self.pad(prompts, length, n, left=True)
             ids = np.zeros(n, np.int32)
-            ids[:len(group)] = [r.doc for r in group]
-            shape = (chunks, batch, length)
+            ids[:len(block)] = [r.doc for r in block]
+            shape = (chunks, rows, length)
             new = np.asarray(run(self.variables, self.put(tokens.reshape(shape)), self.put(mask.reshape(shape)),
-                                 self.put(ids.reshape(chunks, batch)),
-                                 self.spec.seed if seed is None else seed)).reshape(n, n_new)
-            for i, request in enumerate(group):
-                out = new[i].tolist()
-                out = out[:out.index(eos)] if eos is not None and eos in out else out
-                text = cut_at_stop(self.tokenizer.decode(out), request.until)
-                yield request, Generation(text, out, len(request.prompt) > room,
-                                          (tokens[i], mask[i]) if keep_rows else None)
+                                 self.put(ids.reshape(chunks, rows)), seed)).reshape(n, n_new)
+            out = []
+            for i, r in enumerate(block):
+                ids_i = new[i].tolist()
+                ids_i = ids_i[:ids_i.index(eos)] if eos is not None and eos in ids_i else ids_i
+                out.append(Generation(cut_at_stop(self.tokenizer.decode(ids_i), r.until), ids_i,
+                                      len(r.prompt) > room, (tokens[i], mask[i]) if keep_rows else None))
+            return out
+
+        return self.in_blocks(requests, lambda r: min(len(r.prompt), room), run_block)
 
     def progress(self, items: Iterator[Any], name: str, total: int) -> Iterator[Any]:
         """A tqdm bar on stderr (samples done, samples/s); off with --quiet or no terminal."""
