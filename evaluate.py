@@ -518,15 +518,11 @@ LOGITS_BYTES = 1 << 28  # float32 logits unembedded at a time when scoring (256 
 
 
 def padded_length(n: int, cap: int) -> int:
-    """n rounded up to a multiple of 1/32 of its next power of two (at least 16), at most
-    cap: at most ~6% of a row is padding, and there are at most 16 lengths per octave (so
-    few shapes, so few compilations)."""
-    step = max(16, (1 << max(n - 1, 0).bit_length()) // 32)
+    """n rounded up to a multiple of 1/16 of its next power of two (at least 16), at most
+    cap: a row of more than 256 tokens is at most 1/8 padding (3% on average), and there
+    are at most 8 lengths per octave (so few shapes, so few compilations)."""
+    step = max(16, (1 << max(n - 1, 0).bit_length()) // 16)
     return min(cap, -(-max(n, 1) // step) * step)
-
-
-def largest_power_of_two(n: int) -> int:
-    return 1 << (n.bit_length() - 1)
 
 
 class Parts(NamedTuple):
@@ -566,6 +562,7 @@ class InferenceJob:
         self.replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
         self._score = jax.jit(self._score_block, out_shardings=self.replicated)
         self._generators: Dict[Tuple, Callable] = {}
+        self.blocks_run: List[Tuple[int, int, int, int]] = []  # (real tokens, chunks, rows, length) of each
 
     def load(self, mesh: jax.sharding.Mesh) -> Tuple[gpt.GPT, Any, Any]:
         """(model, variables placed on `mesh`, tokenizer): each job says where they come from."""
@@ -603,33 +600,38 @@ class InferenceJob:
         sharding = gpt.input_sharding(self.model, self.mesh, (None, "batch") + (None,) * (block.ndim - 2))
         return jax.make_array_from_callback(block.shape, sharding, lambda index: block[index])
 
-    def schedule(self, n: int) -> Iterator[Tuple[int, int, int]]:
-        """(start, chunks, rows) blocks for n requests sorted by length: full blocks of
-        --chunks batches, the rest as powers of two of batches (5 batches: 4 + 1, never a
-        batch of padding alone), and a short last batch as the next power of two of rows
-        (a multiple of the data-parallel size). So only a few shapes, for any n."""
-        start = 0
-        while n - start >= self.batch_size:
-            chunks = largest_power_of_two(min(self.cfg.chunks, (n - start) // self.batch_size))
-            yield start, chunks, self.batch_size
-            start += chunks * self.batch_size
-        if start < n:
-            rows = 1 << max(n - start - 1, 0).bit_length()
-            yield start, 1, min(self.batch_size, -(-rows // self.dp) * self.dp)
+    def schedule(self, lengths: List[int], cap: int) -> Iterator[Tuple[int, int, int, int]]:
+        """(start, chunks, rows, length) blocks for requests of these lengths, sorted longest
+        first. Consecutive rows make batches; each batch is padded to its own longest row
+        (padded_length); batches of one length go --chunks at a time into a block, the rest
+        one by one; a short last batch has the next power of two of rows (a multiple of the
+        data-parallel size). So no batch is all padding, little of a row is, and there are
+        only a few shapes (so few compilations) whatever the lengths."""
+        batches = [(start, min(self.batch_size, len(lengths) - start),
+                    padded_length(lengths[start], cap)) for start in range(0, len(lengths), self.batch_size)]
+        for (rows, length), group in itertools.groupby(batches, key=lambda b: b[1:]):
+            group = list(group)
+            if rows < self.batch_size:
+                rows = min(self.batch_size, -(-(1 << (rows - 1).bit_length()) // self.dp) * self.dp)
+            while group:
+                chunks = self.cfg.chunks if len(group) >= self.cfg.chunks else 1
+                yield group[0][0], chunks, rows, length
+                group = group[chunks:]
 
-    def in_blocks(self, requests: Iterable[Any], length_of: Callable[[Any], int],
-                  run_block: Callable[[List[Any], int, int], List[Any]]) -> Iterator[Tuple[Any, Any]]:
-        """(request, result) in request order; run_block(requests, chunks, rows) runs one
-        block. A window of SORT_WINDOW blocks' requests is sorted by length at a time, so
-        memory does not grow with the dataset."""
+    def in_blocks(self, requests: Iterable[Any], length_of: Callable[[Any], int], cap: int,
+                  run_block: Callable[[List[Any], int, int, int], List[Any]]) -> Iterator[Tuple[Any, Any]]:
+        """(request, result) in request order; run_block(requests, chunks, rows, length) runs
+        one block. A window of SORT_WINDOW blocks' requests is sorted by length at a time,
+        so memory does not grow with the dataset."""
         requests = iter(requests)
         while window := list(itertools.islice(requests, self.batch_size * self.cfg.chunks * SORT_WINDOW)):
             order = sorted(range(len(window)), key=lambda i: -length_of(window[i]))
             results: List[Any] = [None] * len(window)
-            for start, chunks, rows in self.schedule(len(window)):
+            for start, chunks, rows, length in self.schedule([length_of(window[i]) for i in order], cap):
                 picked = order[start:start + chunks * rows]
-                for i, result in zip(picked, run_block([window[i] for i in picked], chunks, rows)):
+                for i, result in zip(picked, run_block([window[i] for i in picked], chunks, rows, length)):
                     results[i] = result
+                self.blocks_run.append((sum(length_of(window[i]) for i in picked), chunks, rows, length))
             yield from zip(window, results)
 
     # --- the jitted kernels
@@ -701,9 +703,8 @@ class InferenceJob:
                                  f"the context of {self.max_len}")
             return (r.context + r.continuation)[-(self.max_len + 1):]
 
-        def run_block(block: List[Request], chunks: int, rows: int) -> List[Scored]:
-            wholes = [inputs(r) for r in block]
-            length, n = padded_length(max(len(w) - 1 for w in wholes), self.max_len), chunks * rows
+        def run_block(block: List[Request], chunks: int, rows: int, length: int) -> List[Scored]:
+            wholes, n = [inputs(r) for r in block], chunks * rows
             tokens, mask = self.pad([w[:-1] for w in wholes], length, n, left=False)
             targets, _ = self.pad([w[1:] for w in wholes], length, n, left=False)
             weights = np.zeros((n, length), bool)
@@ -715,8 +716,8 @@ class InferenceJob:
             return [Scored(float(logprob[i]), int(count[i]), int(correct[i]),
                            (tokens[i], mask[i]) if keep_rows else None) for i in range(len(block))]
 
-        return self.in_blocks(requests, lambda r: min(len(r.context) + len(r.continuation), self.max_len + 1),
-                              run_block)
+        return self.in_blocks(requests, lambda r: min(len(r.context) + len(r.continuation) - 1, self.max_len),
+                              self.max_len, run_block)
 
     def loglikelihood_rolling(self, documents: Iterable[List[int]], keep_rows: bool = False) -> Iterator[List[Scored]]:
         """Every token of each document (token ids) scored once in rolling windows, after
@@ -739,9 +740,8 @@ class InferenceJob:
         eos, run = self.tokenizer.eos_token_id, self._generator(n_new, temperature, top_p)
         seed = self.spec.seed if seed is None else seed
 
-        def run_block(block: List[GenerationRequest], chunks: int, rows: int) -> List[Generation]:
-            prompts = [r.prompt[-room:] for r in block]
-            length, n = padded_length(max(map(len, prompts)), room), chunks * rows
+        def run_block(block: List[GenerationRequest], chunks: int, rows: int, length: int) -> List[Generation]:
+            prompts, n = [r.prompt[-room:] for r in block], chunks * rows
             tokens, mask = self.pad(prompts, length, n, left=True)
             ids = np.zeros(n, np.int32)
             ids[:len(block)] = [r.doc for r in block]
@@ -756,7 +756,7 @@ class InferenceJob:
                                       len(r.prompt) > room, (tokens[i], mask[i]) if keep_rows else None))
             return out
 
-        return self.in_blocks(requests, lambda r: min(len(r.prompt), room), run_block)
+        return self.in_blocks(requests, lambda r: min(len(r.prompt), room), room, run_block)
 
     def progress(self, items: Iterator[Any], name: str, total: int) -> Iterator[Any]:
         """A tqdm bar on stderr (samples done, samples/s); off with --quiet or no terminal."""

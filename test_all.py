@@ -263,6 +263,26 @@ def test_sharded_equals_single_device(sharded_case, batch, shard):
         assert_tensor_parallel(params["params"], shard, tied=model.tie_embeddings)
 
 
+@pytest.mark.parametrize("batch,shard", [(1, 1), (4, 2)])
+def test_fused_causal_path_equals_left_padded_masked_path(batch, shard):
+    """Scoring runs right-padded rows with no mask (jax.nn.dot_product_attention, causal);
+    generation and the parity tests run left-padded rows with a mask (attend): the same
+    logits at every real token, on one device and tensor-parallel."""
+    model = tiny(**EVERYTHING)
+    mesh = gpt.make_mesh(batch, shard, devices=jax.devices()[:batch * shard])
+    params = gpt.place_params(model, mesh, init(model))
+    rows = ragged_prompts()
+    left_idx, left_mask = left_pad(rows)
+    right_idx = np.zeros_like(left_idx)
+    for b, row in enumerate(rows):
+        right_idx[b, :len(row)] = row
+    put = lambda x: jax.device_put(x, gpt.input_sharding(model, mesh, ("batch", None)))
+    masked = np.asarray(forward(model)(params, put(left_idx), put(left_mask)))
+    fused = np.asarray(jax.jit(lambda p, x: model.apply(p, x, deterministic=True)[0])(params, put(right_idx)))
+    for b, row in enumerate(rows):
+        assert np.abs(masked[b, -len(row):] - fused[b, :len(row)]).max() <= 1e-5
+
+
 def assert_tensor_parallel(params, shard, tied):
     """Megatron layout: q/k/v, MLP-up and the vocabulary split their outputs, attention-out
     and MLP-down their inputs; each device holds 1/shard of the split dimension."""
@@ -524,6 +544,24 @@ def test_scores_do_not_depend_on_batch_size_or_mesh(small):
                 np.testing.assert_array_equal(got[name], reference[name], err_msg=f"{name} {batch} {mesh}")
             else:
                 np.testing.assert_allclose(got[name], reference[name], rtol=1e-5)
+
+
+def test_ragged_documents_waste_little_on_padding():
+    """Documents of mixed lengths go into blocks of similar lengths: at most 10% of the
+    scored slots are padding, and there are a handful of block shapes (so of compilations)."""
+    model = gpt.GPT(n_layers=1, n_embd=32, n_head=2, block_size=512, vocab_size=320)
+    host = jax.device_get(gpt.init_params(model, mesh_of(), seed=0))
+    rng = np.random.default_rng(0)
+    docs = [{"text": "".join(rng.choice(list("abcdefgh "), n))} for n in rng.integers(128, 512, 64)]
+    ev = evaluator((model, host), [], batch_size=8, chunks=4)
+    result = evaluate.PerplexityEvaluation("ragged", docs).result(ev, ev.tokenizer)
+    real = sum(r for r, _, _, _ in ev.blocks_run)
+    slots = sum(c * b * t for _, c, b, t in ev.blocks_run)
+    shapes = {(c, b, t) for _, c, b, t in ev.blocks_run}
+    print(f"ragged: {real / slots:.3f} of {slots} slots real, {len(ev.blocks_run)} blocks, {len(shapes)} shapes")
+    assert real == sum(len(d["text"]) for d in docs) and real / slots >= 0.9
+    assert len(shapes) <= 10 and all(b == 8 for _, _, b, _ in ev.blocks_run)  # 64 = 8 full batches
+    assert result.metrics["tokens"] == real
 
 
 def test_checkpoint_round_trip(small, tmp_path):
