@@ -1346,7 +1346,7 @@ def test_bos_adding_tokenizer_follows_lm_eval_except_its_double_bos(workdir, tmp
 
 TINY_BENCH = ["--layers", "2", "--width", "64", "--heads", "4", "--vocab", "500", "--seq", "64",
               "--batch", "4", "--prompt", "8", "--new-tokens", "8", "--matmul-sizes", "128",
-              "--reps", "1", "--json"]
+              "--reps", "1", "--ragged", "10", "--ragged-prompts", "6", "--json"]
 
 
 def bench(*args):
@@ -1363,6 +1363,9 @@ def test_bench_against_transformers_compiles_once():
     compiles on its first run and never on the second."""
     r = bench()
     assert r["scoring"]["project"]["rel_diff"] < 1e-4 and r["generation"]["check"]["identical"]
+    ragged = r["ragged"]  # documents and prompts of mixed lengths, beside a plain transformers loop
+    assert ragged["rel_diff"] < 1e-4 and ragged["identical"] >= 0.75 and ragged["tokens"] >= 10 * 16
+    assert 0 < ragged["real_share"]["project_scoring"] <= 1 and ragged["shapes"] <= ragged["blocks"]
     first, second = r["compilation"]["runs"]
     assert all(x["compiles"] >= 1 for x in first.values())
     assert all(x["compiles"] == 0 for x in second.values())
