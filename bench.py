@@ -67,9 +67,12 @@ from jobs import ByteTokenizer, ExecutionSpec, UsageError, exit_status, option, 
 class BenchConfig:
     """Options of `python bench.py` (validated: unknown names and bad types fail)."""
 
-    layers: int = option(12, "transformer blocks of the benchmarked GPT-2-shaped model")
+    family: str = option("gpt2", "model shape: gpt2, or qwen2 (grouped kv heads, SwiGLU, RMSNorm, rotary)")
+    layers: int = option(12, "transformer blocks of the benchmarked model")
     width: int = option(768, "model width")
     heads: int = option(12, "attention heads")
+    kv_heads: int = option(0, "key/value heads of a qwen2 model (0: as many as --heads)")
+    mlp_hidden: int = option(0, "MLP width (0: 4 x --width)")
     vocab: int = option(50257, "vocabulary size")
     context: int = option(1024, "context length (n_positions)")
     batch: int = option(8, "rows scored, and prompts decoded, at once")
@@ -183,12 +186,27 @@ class IdTokenizer:
 
 
 def save_hf_model(cfg: BenchConfig, path: str) -> None:
-    """A randomly initialized transformers GPT-2 written as a HuggingFace directory."""
+    """A randomly initialized transformers model of --family written as a HuggingFace directory."""
     torch.manual_seed(cfg.seed)
-    config = transformers.GPT2Config(vocab_size=cfg.vocab, n_positions=cfg.context, n_embd=cfg.width, n_layer=cfg.layers,
-                        n_head=cfg.heads, initializer_range=cfg.init_std, bos_token_id=cfg.vocab - 1,
-                        eos_token_id=cfg.vocab - 1)
-    transformers.GPT2LMHeadModel(config).save_pretrained(path)
+    common = dict(vocab_size=cfg.vocab, initializer_range=cfg.init_std, bos_token_id=cfg.vocab - 1,
+                  eos_token_id=cfg.vocab - 1)
+    if cfg.family == "gpt2":
+        config = transformers.GPT2Config(n_positions=cfg.context, n_embd=cfg.width, n_layer=cfg.layers,
+                                         n_head=cfg.heads, n_inner=cfg.mlp_hidden or None, **common)
+    else:
+        config = transformers.Qwen2Config(max_position_embeddings=cfg.context, hidden_size=cfg.width,
+                                          num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
+                                          num_key_value_heads=cfg.kv_heads or cfg.heads,
+                                          intermediate_size=cfg.mlp_hidden or 4 * cfg.width,
+                                          tie_word_embeddings=True, **common)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+
+
+def project_model(cfg: BenchConfig) -> gpt.GPT:
+    """The same shape as save_hf_model's, as this project's GPT, for --limits."""
+    return gpt.GPT(**gpt.FAMILIES[cfg.family], n_layers=cfg.layers, n_embd=cfg.width, n_head=cfg.heads,
+                   n_kv_head=cfg.kv_heads or None, mlp_hidden=cfg.mlp_hidden or None, vocab_size=cfg.vocab,
+                   block_size=cfg.context, param_dtype=cfg.dtype, activation_dtype=cfg.dtype)
 
 
 def load_models(cfg: BenchConfig, path: str):
@@ -198,7 +216,8 @@ def load_models(cfg: BenchConfig, path: str):
     mesh = gpt.make_mesh()
     variables = gpt.place_params(model, mesh, host)
     torch.set_num_threads(cfg.torch_threads or os.cpu_count())
-    hf = transformers.GPT2LMHeadModel.from_pretrained(path, dtype=getattr(torch, cfg.dtype)).to(cfg.device).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, cfg.dtype))
+    hf = hf.to(cfg.device).eval()
     hf.generation_config.eos_token_id = None  # like the project's rollout here: never stop early
     return model, variables, mesh, hf
 
@@ -288,10 +307,11 @@ def bench_scoring(cfg: BenchConfig, model, variables, mesh, hf, log: CompileLog)
     bare = jax.jit(lambda p, x, y: bare_loglik(p, x, y, model.n_head))
     x, y = jnp.asarray(tokens_BT), jnp.asarray(docs_BT)
     sizes = [int(n) for n in cfg.matmul_sizes.split(",")]
-    out = race({"project": project, "transformers": lambda: hf_loglik(hf, tokens_BT, docs_BT),
-                "bare_jax": lambda: bare(variables["params"], x, y),
-                **matmul_contenders(sizes, gpt.dtype_of(cfg.dtype))},
-               cfg.reps, log)
+    contenders = {"project": project, "transformers": lambda: hf_loglik(hf, tokens_BT, docs_BT),
+                  "bare_jax": lambda: bare(variables["params"], x, y)}
+    if cfg.family != "gpt2":  # the bare forward is written for GPT-2 only
+        del contenders["bare_jax"]
+    out = race({**contenders, **matmul_contenders(sizes, gpt.dtype_of(cfg.dtype))}, cfg.reps, log)
     peak = matmul_peak(out, sizes)
     sums = {name: float(np.sum(np.asarray(r.pop("out"), np.float64))) for name, r in out.items()}
     for name, value in sums.items():
@@ -494,9 +514,8 @@ def bench_limits(cfg: BenchConfig, log: CompileLog) -> Dict[str, Any]:
     - decoding: batch-1 greedy rollout of --new-tokens after a --prompt-token prompt; its
       time per token (less the prefill) against the time a jitted sum takes to read as
       many bytes as the parameters hold: each step must read every parameter once.
-    The model is this project's GPT-2-shaped GPT with random weights, in --dtype."""
-    model = gpt.GPT(n_layers=cfg.layers, n_embd=cfg.width, n_head=cfg.heads, vocab_size=cfg.vocab,
-                    block_size=cfg.context, param_dtype=cfg.dtype, activation_dtype=cfg.dtype)
+    The model is this project's GPT of --family's shape with random weights, in --dtype."""
+    model = project_model(cfg)
     mesh = gpt.make_mesh()
     variables = gpt.init_params(model, mesh, seed=cfg.seed)
     param_bytes = nbytes(variables)
@@ -536,7 +555,7 @@ def limits_table(cfg: BenchConfig, r: Dict[str, Any]) -> str:
     x = r["limits"]
     peak, bandwidth, s, d = x["peak"]["flops_per_s"], x["bandwidth"], x["scoring"], x["decoding"]
     mb = x["param_bytes"] / 1e6
-    lines = [f"model: {cfg.layers} layers, {cfg.width} wide, {cfg.heads} heads, vocab {cfg.vocab}, "
+    lines = [f"model: {cfg.family}, {cfg.layers} layers, {cfg.width} wide, {cfg.heads} heads, vocab {cfg.vocab}, "
              f"{x['params'] / 1e6:.1f}M parameters, {cfg.dtype} ({mb:.0f} MB), random weights",
              f"machine: {x['n_devices']} x {x['device']}; jax {jax.__version__}",
              f"matmul peak: {peak / 1e12:.2f} TFLOP/s {cfg.dtype} (jitted {x['peak']['size']}^2"
@@ -576,13 +595,16 @@ def scoring_table(cfg: BenchConfig, s: Dict[str, Any]) -> List[str]:
              "", f"scoring {cfg.batch} x {cfg.seq} tokens, forward + log-softmax gather "
              f"({s['flops'] / 1e9:.1f} GFLOP per call, forward only)",
              f"  {'':14s} {'first s':>8s} {'compile':>8s} {'best s':>7s} {'median':>7s} {'tokens/s':>9s} "
-             f"{'GFLOP/s':>8s} {'MFU':>6s} {'vs bare':>8s}"]
-    for name in ("project", "transformers", "bare_jax"):
-        x, bare = s[name], s["bare_jax"]
+             f"{'GFLOP/s':>8s} {'MFU':>6s} {'vs hf':>6s} {'vs bare':>8s}"]
+    hf = s["transformers"]["tokens_per_s"]
+    for name in [n for n in ("project", "transformers", "bare_jax") if n in s]:
+        x = s[name]
         lines.append(f"{row(name, x)} {x['tokens_per_s']:9.0f} {x['flops_per_s'] / 1e9:8.1f} "
-                     f"{x['flops_per_s'] / peak:6.1%} {x['tokens_per_s'] / bare['tokens_per_s']:8.2f}")
+                     f"{x['flops_per_s'] / peak:6.1%} {x['tokens_per_s'] / hf:6.2f}"
+                     + (f" {x['tokens_per_s'] / s['bare_jax']['tokens_per_s']:8.2f}" if "bare_jax" in s else ""))
     lines.append(f"  summed log-likelihood {s['transformers']['loglik']:.2f}; relative difference to "
-                 f"transformers: project {s['project']['rel_diff']:.1e}, bare jax {bare['rel_diff']:.1e}")
+                 f"transformers: project {s['project']['rel_diff']:.1e}"
+                 + (f", bare jax {s['bare_jax']['rel_diff']:.1e}" if "bare_jax" in s else ""))
     return lines
 
 
@@ -636,7 +658,7 @@ def compilation_table(runs: List[Dict[str, Any]]) -> List[str]:
 
 
 def table(cfg: BenchConfig, r: Dict[str, Any]) -> str:
-    lines = [f"model: {cfg.layers} layers, {cfg.width} wide, {cfg.heads} heads, vocab {cfg.vocab}, context "
+    lines = [f"model: {cfg.family}, {cfg.layers} layers, {cfg.width} wide, {cfg.heads} heads, vocab {cfg.vocab}, context "
              f"{cfg.context}, {r['params'] / 1e6:.1f}M parameters, {cfg.dtype}, random weights (std {cfg.init_std})",
              f"machine: {r['cpus']} CPUs (load average {r['load'][0]:.1f} -> {r['load'][1]:.1f}); "
              f"jax {jax.__version__}, torch {r['torch']} ({r['torch_threads']} threads), "
@@ -677,6 +699,8 @@ def against_transformers(cfg: BenchConfig, log: CompileLog, say: Callable[[str],
 
 def bench(argv: List[str]) -> None:
     cfg = parse_options(BenchConfig, argv)
+    if cfg.family not in ("gpt2", "qwen2"):
+        raise UsageError(f"--family must be gpt2 or qwen2, got {cfg.family!r}")
     if cfg.dtype not in gpt.DTYPES:
         raise UsageError(f"--dtype: unknown dtype {cfg.dtype!r}; choose one of {', '.join(gpt.DTYPES)}")
     started = time.perf_counter()
