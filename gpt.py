@@ -216,12 +216,15 @@ def attend_causal(q_BTHE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array) -> ja
     after the last real one (right padding: a real query never sees it).
 
     jax.nn.dot_product_attention: on a GPU in bfloat16/float16, cuDNN's fused kernel
-    (flash attention: the [T, S] scores are never written to memory); elsewhere XLA's
-    einsums, float32 scores and softmax as in attend().
+    (flash attention: the [T, S] scores are never written to memory); elsewhere, or where
+    cuDNN is absent or refuses the shape, XLA's einsums with float32 scores and softmax.
     """
-    fused = jax.default_backend() == "gpu" and q_BTHE.dtype in (jnp.bfloat16, jnp.float16)
-    return jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, is_causal=True,
-                                        implementation="cudnn" if fused else "xla")
+    if jax.default_backend() == "gpu" and q_BTHE.dtype in (jnp.bfloat16, jnp.float16):
+        try:
+            return jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, is_causal=True, implementation="cudnn")
+        except (RuntimeError, ValueError, NotImplementedError):  # raised while tracing, before any work
+            pass
+    return jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, is_causal=True, implementation="xla")
 
 
 class Attention(Module):

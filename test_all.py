@@ -283,6 +283,16 @@ def test_fused_causal_path_equals_left_padded_masked_path(batch, shard):
         assert np.abs(masked[b, -len(row):] - fused[b, :len(row)]).max() <= 1e-5
 
 
+def test_fused_attention_falls_back_where_cudnn_is_absent(monkeypatch):
+    """On a GPU in bfloat16 attend_causal asks for cuDNN; without it (here: a CPU that says
+    it is a GPU) the same call runs XLA's attention instead of failing."""
+    q, k, v = (jnp.asarray(np.random.default_rng(i).normal(size=(2, 8, 4, 16)), jnp.bfloat16) for i in range(3))
+    expected = np.asarray(gpt.attend_causal(q, k[:, :, :2], v[:, :, :2]), np.float32)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    got = np.asarray(jax.jit(gpt.attend_causal)(q, k[:, :, :2], v[:, :, :2]), np.float32)
+    np.testing.assert_array_equal(got, expected)
+
+
 def assert_tensor_parallel(params, shard, tied):
     """Megatron layout: q/k/v, MLP-up and the vocabulary split their outputs, attention-out
     and MLP-down their inputs; each device holds 1/shard of the split dimension."""
