@@ -11,7 +11,10 @@ components/gather) -> Linear, Norm -> rotary embeddings -> Attention -> MLP -> B
 One GPT covers several HuggingFace families. What makes each family different is a
 handful of fields (see FAMILIES at the bottom of the GPT section): norm kind, MLP kind,
 key/value heads, rotary fraction and base, biases, q/k norm, parallel residual, and tied
-or separate unembedding.
+or separate unembedding; Gemma adds (1 + w) norms, norms after each sublayer too, and an
+embedding scaled by sqrt(width). Per checkpoint, from its config: rope scaling (Llama 3.x),
+sliding-window layers with their own rotary base (Mistral, Gemma 3), the query scale and
+soft-capped logits (Gemma).
 
 Shapes are in the names: B batch, T query length, S key length (cache slots), D model
 width, H query heads, K key/value heads, E head width, F MLP width, V vocabulary, L layers.
@@ -131,12 +134,14 @@ class Linear(Module):
 
 
 class Norm(Module):
-    """LayerNorm (GPT-2, NeoX) or RMSNorm (Llama, Qwen), computed in float32 for stability."""
+    """LayerNorm (GPT-2, NeoX) or RMSNorm (Llama, Qwen, Gemma), computed in float32 for
+    stability. Gemma scales by (offset + weight) with offset 1, its weights stored around 0."""
 
     kind: str = "layernorm"
     eps: float = 1e-5
     use_bias: bool = True
     axis_name: str = "embed"
+    offset: float = 0.0
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -148,7 +153,8 @@ class Norm(Module):
             h = h - h.mean(-1, keepdims=True)
         elif self.kind != "rmsnorm":
             raise ValueError(f"unknown norm {self.kind!r}; choose layernorm or rmsnorm")
-        scale = jax.lax.broadcast_to_rank(scale.astype(jnp.float32), h.ndim)  # no implicit rank promotion
+        scale = scale.astype(jnp.float32) + self.offset
+        scale = jax.lax.broadcast_to_rank(scale, h.ndim)  # no implicit rank promotion
         h = h * jax.lax.rsqrt((h * h).mean(-1, keepdims=True) + self.eps) * scale
         if self.use_bias and self.kind == "layernorm":
             bias = logical_param(self, "bias", (width,), (self.axis_name,), nn.initializers.zeros,
@@ -160,12 +166,38 @@ class Norm(Module):
 # ----------------------------------------------------------------------------- attention
 
 
-def rotary(x_BTHE: jax.Array, pos_BT: jax.Array, fraction: float, base: float) -> jax.Array:
+def rope_frequencies(rot: int, base: float, scaling: Optional[Tuple[Any, ...]] = None) -> jax.Array:
+    """The rot/2 rotary frequencies (radians per position), float32, as transformers
+    computes them. `scaling` stretches them for contexts longer than the pretraining one:
+
+    ("linear", factor): every frequency / factor.
+    ("llama3", factor, low_freq_factor, high_freq_factor, original_context): wavelengths
+        2 pi / f longer than original_context / low_freq_factor are divided by factor, those
+        shorter than original_context / high_freq_factor kept, and those in between blend
+        the two with s = (original_context / wavelength - low) / (high - low).
+    """
+    inv_freq = 1.0 / (base ** (jnp.arange(0, rot, 2, dtype=jnp.float32) / rot))
+    if scaling is None:
+        return inv_freq
+    if scaling[0] == "linear":
+        return inv_freq / scaling[1]
+    if scaling[0] != "llama3":
+        raise ValueError(f"unknown rope scaling {scaling[0]!r}; choose linear or llama3")
+    factor, low, high, original = scaling[1:]
+    wavelength = 2 * math.pi / inv_freq
+    long = jnp.where(wavelength > original / low, inv_freq / factor, inv_freq)
+    s = (original / wavelength - low) / (high - low)
+    medium = (wavelength >= original / high) & (wavelength <= original / low)
+    return jnp.where(medium, (1 - s) * long / factor + s * long, long)
+
+
+def rotary(x_BTHE: jax.Array, pos_BT: jax.Array, fraction: float, base: float,
+           scaling: Optional[Tuple[Any, ...]] = None) -> jax.Array:
     """Rotary position embedding on the first `fraction` of each head ("rotate half" layout,
     as Llama and GPT-NeoX store it). Angles are computed in float32."""
     width = x_BTHE.shape[-1]
     rot = int(width * fraction) // 2 * 2
-    inv_freq = 1.0 / (base ** (jnp.arange(0, rot, 2, dtype=jnp.float32) / rot))
+    inv_freq = rope_frequencies(rot, base, scaling)
     angle_BTR = pos_BT[..., None].astype(jnp.float32) * inv_freq[None, None, :]
     angle_BTR = jnp.concatenate([angle_BTR, angle_BTR], -1)[:, :, None, :]  # one per head
     cos, sin = jnp.cos(angle_BTR), jnp.sin(angle_BTR)
@@ -175,8 +207,10 @@ def rotary(x_BTHE: jax.Array, pos_BT: jax.Array, fraction: float, base: float) -
     return jnp.concatenate([rotated.astype(x_BTHE.dtype), x_pass], -1)
 
 
-def attend(q_BTHE: jax.Array, k_BSKE: jax.Array, v_BSKE: jax.Array, allowed_BTS: jax.Array) -> jax.Array:
-    """Softmax(q k^T / sqrt(E)) v, each group of H/K query heads sharing one key/value head.
+def attend(q_BTHE: jax.Array, k_BSKE: jax.Array, v_BSKE: jax.Array, allowed_BTS: jax.Array,
+           scale: Optional[float] = None) -> jax.Array:
+    """Softmax(q k^T * scale) v, each group of H/K query heads sharing one key/value head;
+    scale None means 1 / sqrt(E).
 
     Written as einsums over the cache's own [B, S, K, E] layout: jax.nn.dot_product_attention
     transposes the whole KV cache at every decoding step (2-3x slower decoding at long
@@ -187,7 +221,8 @@ def attend(q_BTHE: jax.Array, k_BSKE: jax.Array, v_BSKE: jax.Array, allowed_BTS:
     K = k_BSKE.shape[2]
     q_BTKGE = q_BTHE.reshape(B, T, K, H // K, E)
     scores = jnp.einsum("btkge,bske->bkgts", q_BTKGE, k_BSKE, preferred_element_type=jnp.float32)
-    scores = jnp.where(allowed_BTS[:, None, None], scores / math.sqrt(E), jnp.finfo(jnp.float32).min)
+    scores = scores / math.sqrt(E) if scale is None else scores * scale
+    scores = jnp.where(allowed_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_BSKE.dtype)
     return jnp.einsum("bkgts,bske->btkge", probs, v_BSKE).reshape(B, T, H, E)
 
@@ -204,35 +239,45 @@ class AttentionConfig:
     out_bias: bool = False
     qk_norm: bool = False
     norm_eps: float = 1e-6
+    norm_offset: float = 0.0  # q/k norm scale (offset + weight): Gemma 1.0
     rope: bool = False
     rotary_fraction: float = 1.0
     rope_theta: float = 10000.0
+    rope_scaling: Optional[Tuple[Any, ...]] = None  # see rope_frequencies
+    window: Optional[int] = None  # a query sees itself and the window - 1 keys before it; None: all
+    scale: Optional[float] = None  # of the scores q.k; None: 1 / sqrt(head_dim)
     dropout: float = 0.0
     residual_std: float = 0.02
 
 
-def attend_causal(q_BTHE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array) -> jax.Array:
+def attend_causal(q_BTHE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, scale: Optional[float] = None,
+                  window: Optional[int] = None) -> jax.Array:
     """Causal attention within one sequence per row, every key a real token or padding
-    after the last real one (right padding: a real query never sees it).
+    after the last real one (right padding: a real query never sees it). With a window W,
+    query i sees keys i - W < j <= i.
 
     jax.nn.dot_product_attention: on a GPU in bfloat16/float16, cuDNN's fused kernel
     (flash attention: the [T, S] scores are never written to memory); elsewhere, or where
     cuDNN is absent or refuses the shape, XLA's einsums with float32 scores and softmax.
+    Its local_window_size (left, right) lets query i see keys i - left <= j <= i + right
+    (cuDNN: a window of left + 1 ending at i), so W is (W - 1, 0).
     """
+    options = dict(scale=scale, is_causal=True, local_window_size=None if window is None else (window - 1, 0))
     if jax.default_backend() == "gpu" and q_BTHE.dtype in (jnp.bfloat16, jnp.float16):
         try:
-            return jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, is_causal=True, implementation="cudnn")
+            return jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, implementation="cudnn", **options)
         except (RuntimeError, ValueError, NotImplementedError):  # raised while tracing, before any work
             pass
-    return jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, is_causal=True, implementation="xla")
+    return jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, implementation="xla", **options)
 
 
 class Attention(Module):
     """Causal self-attention with grouped key/value heads, optional q/k norm and rotary.
 
     With a layer cache (k_BSKE, v_BSKE), the new keys and values are written at `slot` and
-    the queries attend over all S cache slots; `allowed_BTS` says which ones they may see.
-    allowed_BTS None means plain causal attention (see attend_causal).
+    the queries attend over all S cache slots; `allowed_BTS` says which ones they may see
+    (the caller includes this layer's window in it). allowed_BTS None means plain causal
+    attention within the layer's window (see attend_causal).
     """
 
     cfg: AttentionConfig = AttentionConfig()
@@ -247,7 +292,8 @@ class Attention(Module):
         self.o = Linear(features=c.width, axes=("heads", "embed"), use_bias=c.out_bias,
                         init_std=c.residual_std, **dt)
         if c.qk_norm:  # Qwen3: RMSNorm over each head's width, before rotary
-            norm = dict(kind="rmsnorm", eps=c.norm_eps, use_bias=False, axis_name="head_dim", **dt)
+            norm = dict(kind="rmsnorm", eps=c.norm_eps, use_bias=False, axis_name="head_dim",
+                        offset=c.norm_offset, **dt)
             self.q_norm, self.k_norm = Norm(**norm), Norm(**norm)
         self.drop = nn.Dropout(c.dropout)
 
@@ -263,17 +309,18 @@ class Attention(Module):
         if c.qk_norm:
             q_BTHE, k_BTKE = self.q_norm(q_BTHE), self.k_norm(k_BTKE)
         if c.rope:
-            q_BTHE = rotary(q_BTHE, pos_BT, c.rotary_fraction, c.rope_theta)
-            k_BTKE = rotary(k_BTKE, pos_BT, c.rotary_fraction, c.rope_theta)
+            q_BTHE = rotary(q_BTHE, pos_BT, c.rotary_fraction, c.rope_theta, c.rope_scaling)
+            k_BTKE = rotary(k_BTKE, pos_BT, c.rotary_fraction, c.rope_theta, c.rope_scaling)
         if kv is None:
             k_BSKE, v_BSKE = k_BTKE, v_BTKE
         else:  # write the T new keys/values into their cache slots, then attend over all S
             k_BSKE = jax.lax.dynamic_update_slice(kv[0], k_BTKE.astype(kv[0].dtype), (0, slot, 0, 0))
             v_BSKE = jax.lax.dynamic_update_slice(kv[1], v_BTKE.astype(kv[1].dtype), (0, slot, 0, 0))
         if allowed_BTS is None:  # causal, no padding mask, no cache: the fused path
-            y_BTHE = attend_causal(q_BTHE, k_BSKE, v_BSKE)
+            y_BTHE = attend_causal(q_BTHE, k_BSKE, v_BSKE, c.scale, c.window)
         else:
-            y_BTHE = attend(q_BTHE, k_BSKE.astype(q_BTHE.dtype), v_BSKE.astype(q_BTHE.dtype), allowed_BTS)
+            y_BTHE = attend(q_BTHE, k_BSKE.astype(q_BTHE.dtype), v_BSKE.astype(q_BTHE.dtype), allowed_BTS,
+                            c.scale)
         y_BTD = self.o(y_BTHE.reshape(B, T, c.n_head * c.head_dim))
         return self.drop(y_BTD, deterministic=deterministic), None if kv is None else (k_BSKE, v_BSKE)
 
@@ -288,7 +335,8 @@ class Attention(Module):
 
 @dataclasses.dataclass(frozen=True)
 class MLPConfig:
-    """The sizes and kind of one MLP: "gelu" (tanh approximation), "gelu_exact" or "swiglu"."""
+    """The sizes and kind of one MLP: "gelu" (tanh approximation), "gelu_exact", "swiglu"
+    or "geglu"."""
 
     width: int = 128
     hidden: int = 512
@@ -299,16 +347,17 @@ class MLPConfig:
 
 
 class MLP(Module):
-    """GELU MLP (GPT-2: tanh approximation; NeoX: exact) or SwiGLU (Llama, Qwen)."""
+    """GELU MLP (GPT-2: tanh approximation; NeoX: exact), or gated: SwiGLU (Llama, Qwen,
+    Mistral: silu(gate(x)) * up(x)) or GeGLU (Gemma: gelu_tanh(gate(x)) * up(x))."""
 
     cfg: MLPConfig = MLPConfig()
 
     def setup(self) -> None:
         c, dt = self.cfg, dict(param_dtype=self.param_dtype, activation_dtype=self.activation_dtype)
-        if c.kind not in ("gelu", "gelu_exact", "swiglu"):
-            raise ValueError(f"unknown mlp {c.kind!r}; choose gelu, gelu_exact or swiglu")
+        if c.kind not in ("gelu", "gelu_exact", "swiglu", "geglu"):
+            raise ValueError(f"unknown mlp {c.kind!r}; choose gelu, gelu_exact, swiglu or geglu")
         self.up = Linear(features=c.hidden, axes=("embed", "mlp"), use_bias=c.bias, **dt)
-        if c.kind == "swiglu":
+        if c.kind in ("swiglu", "geglu"):
             self.gate = Linear(features=c.hidden, axes=("embed", "mlp"), use_bias=c.bias, **dt)
         self.down = Linear(features=c.width, axes=("mlp", "embed"), use_bias=c.bias,
                            init_std=c.residual_std, **dt)
@@ -317,6 +366,8 @@ class MLP(Module):
     def __call__(self, x_BTD: jax.Array, deterministic: bool = True) -> jax.Array:
         if self.cfg.kind == "swiglu":
             h_BTF = jax.nn.silu(self.gate(x_BTD)) * self.up(x_BTD)
+        elif self.cfg.kind == "geglu":
+            h_BTF = jax.nn.gelu(self.gate(x_BTD), approximate=True) * self.up(x_BTD)
         else:
             h_BTF = jax.nn.gelu(self.up(x_BTD), approximate=self.cfg.kind == "gelu")
         return self.drop(self.down(h_BTF), deterministic=deterministic)
@@ -328,19 +379,25 @@ class MLP(Module):
 
 class Block(Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)).
-    With parallel_residual (GPT-NeoX): x + attn(norm1(x)) + mlp(norm2(x))."""
+    With parallel_residual (GPT-NeoX): x + attn(norm1(x)) + mlp(norm2(x)).
+    With sandwich_norm (Gemma) each sublayer's output is normed too before it is added:
+    x + norm3(attn(norm1(x))), then x + norm4(mlp(norm2(x)))."""
 
     attention: AttentionConfig = AttentionConfig()
     feedforward: MLPConfig = MLPConfig()
     norm: str = "layernorm"
     norm_eps: float = 1e-5
     norm_bias: bool = True
+    norm_offset: float = 0.0
     parallel_residual: bool = False
+    sandwich_norm: bool = False
 
     def setup(self) -> None:
         dt = dict(param_dtype=self.param_dtype, activation_dtype=self.activation_dtype)
-        norm = dict(kind=self.norm, eps=self.norm_eps, use_bias=self.norm_bias, **dt)
+        norm = dict(kind=self.norm, eps=self.norm_eps, use_bias=self.norm_bias, offset=self.norm_offset, **dt)
         self.ln_1, self.ln_2 = Norm(**norm), Norm(**norm)
+        if self.sandwich_norm:
+            self.ln_attn_out, self.ln_mlp_out = Norm(**norm), Norm(**norm)
         self.attn = Attention(cfg=self.attention, **dt)
         self.mlp = MLP(cfg=self.feedforward, **dt)
 
@@ -349,10 +406,13 @@ class Block(Module):
                  slot: Optional[jax.Array] = None):
         """(x_BTD after the block, the layer's updated cache or None)."""
         a_BTD, kv = self.attn(self.ln_1(x_BTD), pos_BT, allowed_BTS, deterministic, kv, slot)
-        if self.parallel_residual:
-            return x_BTD + a_BTD + self.mlp(self.ln_2(x_BTD), deterministic), kv
-        x_BTD = x_BTD + a_BTD
-        return x_BTD + self.mlp(self.ln_2(x_BTD), deterministic), kv
+        if self.sandwich_norm:
+            a_BTD = self.ln_attn_out(a_BTD)
+        mlp_in_BTD = x_BTD if self.parallel_residual else x_BTD + a_BTD
+        m_BTD = self.mlp(self.ln_2(mlp_in_BTD), deterministic)
+        if self.sandwich_norm:
+            m_BTD = self.ln_mlp_out(m_BTD)
+        return x_BTD + a_BTD + m_BTD, kv
 
     @classmethod
     def components(cls) -> List[Type[Any]]:
@@ -396,6 +456,22 @@ class GPT(Module):
     rope_theta: float = 10000.0
     parallel_residual: bool = False
     tie_embeddings: bool = True
+    norm_offset: float = 0.0  # every norm scales by (offset + weight): Gemma 1.0
+    sandwich_norm: bool = False  # norm each sublayer's output too, before the residual add (Gemma)
+    embed_scale: bool = False  # token embeddings * sqrt(n_embd), rounded to the activation dtype (Gemma)
+    # the options a checkpoint's config sets (see hf.py)
+    rope_scaling: Optional[Tuple[Any, ...]] = None  # ("linear", ...) or ("llama3", ...): rope_frequencies
+    sliding_window: Optional[int] = None  # local layers: a query sees itself and the W - 1 tokens before
+    window_pattern: str = "S"  # which layers are local (S) or global (G), cycled: Gemma 3 "SSSSSG"
+    local_rope_theta: Optional[float] = None  # local layers' own plain rotary base; None: as the others
+    attn_scale: Optional[float] = None  # of the scores q.k; None: 1 / sqrt(head_dim)
+    logit_softcap: Optional[float] = None  # logits -> cap * tanh(logits / cap)
+
+    def __post_init__(self) -> None:
+        # a native checkpoint's config.json gives rope_scaling back as a list; fields must hash
+        if isinstance(self.rope_scaling, list):
+            object.__setattr__(self, "rope_scaling", tuple(self.rope_scaling))
+        super().__post_init__()
 
     # --- the optional sizes, resolved in one place (everything else reads these)
 
@@ -414,6 +490,11 @@ class GPT(Module):
     @property
     def has_qkv_bias(self) -> bool:
         return self.bias if self.qkv_bias is None else self.qkv_bias
+
+    def is_local(self, depth: int) -> bool:
+        """Whether block `depth` is a local layer (window_pattern "S"): the sliding window,
+        if any, and local_rope_theta, if set, apply to it; global layers see everything."""
+        return self.window_pattern[depth % len(self.window_pattern)] == "S"
 
     @property
     def sharding(self) -> List[Tuple[str, Optional[str]]]:
@@ -437,15 +518,20 @@ class GPT(Module):
         attention = AttentionConfig(
             width=self.n_embd, n_head=self.n_head, n_kv_head=self.kv_heads, head_dim=self.head_width,
             qkv_bias=self.has_qkv_bias, out_bias=self.bias, qk_norm=self.qk_norm, norm_eps=self.norm_eps,
-            rope=self.rope, rotary_fraction=self.rotary_fraction, rope_theta=self.rope_theta,
+            norm_offset=self.norm_offset, rope=self.rope, rotary_fraction=self.rotary_fraction,
+            rope_theta=self.rope_theta, rope_scaling=self.rope_scaling, scale=self.attn_scale,
             dropout=self.dropout, residual_std=residual_std)
+        local = dataclasses.replace(attention, window=self.sliding_window)
+        if self.local_rope_theta is not None:  # Gemma 3: plain rotary with its own base
+            local = dataclasses.replace(local, rope_theta=self.local_rope_theta, rope_scaling=None)
         feedforward = MLPConfig(width=self.n_embd, hidden=self.mlp_width, kind=self.mlp, bias=self.bias,
                                 dropout=self.dropout, residual_std=residual_std)
-        self.blocks = [Block(attention=attention, feedforward=feedforward, norm=self.norm,
-                             norm_eps=self.norm_eps, norm_bias=self.bias,
-                             parallel_residual=self.parallel_residual, **dt)
-                       for _ in range(self.n_layers)]
-        self.ln_f = Norm(kind=self.norm, eps=self.norm_eps, use_bias=self.bias, **dt)
+        self.blocks = [Block(attention=local if self.is_local(i) else attention, feedforward=feedforward,
+                             norm=self.norm, norm_eps=self.norm_eps, norm_bias=self.bias,
+                             norm_offset=self.norm_offset, parallel_residual=self.parallel_residual,
+                             sandwich_norm=self.sandwich_norm, **dt)
+                       for i in range(self.n_layers)]
+        self.ln_f = Norm(kind=self.norm, eps=self.norm_eps, use_bias=self.bias, offset=self.norm_offset, **dt)
         if not self.tie_embeddings:
             self.lm_head = Linear(features=self.vocab_size, axes=("embed", "vocab"), **dt)
 
@@ -456,6 +542,8 @@ class GPT(Module):
         """Token (+ learned position) embeddings of idx [B, T] -> x [B, T, D]."""
         idx_BT = idx
         x_BTD = self.wte(idx_BT).astype(self.adtype)
+        if self.embed_scale:  # as transformers: sqrt(D) in float32, then cast to the weights' dtype
+            x_BTD = x_BTD * jnp.asarray(math.sqrt(self.n_embd), jnp.float32).astype(self.adtype)
         if not self.rope:
             x_BTD = x_BTD + self.wpe(positions_for(idx_BT, positions)).astype(self.adtype)
         return self.drop(x_BTD, deterministic=deterministic)
@@ -467,24 +555,33 @@ class GPT(Module):
         padding_mask [B, T] is True at real tokens; padded keys are never attended to, so
         padding cannot change real positions. Without one, every row is a sequence from
         position 0 (right padding, if any, is never seen by the real tokens before it). With a cache (see init_cache), the T new
-        tokens go into slots cache.slot .. +T and attend to every earlier valid slot.
+        tokens go into slots cache.slot .. +T and attend to every earlier valid slot. On local
+        layers a sliding window counts slots (token indices, as transformers counts them):
+        with left padding only, a row's real tokens sit in consecutive slots, so it is the
+        window of positions too.
         """
         x_BTD = x
         B, T, _ = x_BTD.shape
         mask_BT = jnp.ones((B, T), bool) if padding_mask is None else padding_mask.astype(bool)
         pos_BT = positions_for(mask_BT, positions)
-        if cache is None:  # without a padding mask, plain causal attention (the fused path)
-            allowed_BTS = None if padding_mask is None else causal_allowed(mask_BT, jnp.arange(T), jnp.arange(T))
+        if cache is None:
+            valid_BS, query_T, key_S = mask_BT, jnp.arange(T), jnp.arange(T)
             kvs, slot = [None] * self.n_layers, None
         else:
             slot = cache.slot
             valid_BS = jax.lax.dynamic_update_slice(cache.valid_BS, mask_BT, (0, slot))
-            allowed_BTS = causal_allowed(valid_BS, slot + jnp.arange(T), jnp.arange(valid_BS.shape[1]))
+            query_T, key_S = slot + jnp.arange(T), jnp.arange(valid_BS.shape[1])
             kvs = list(zip(cache.keys, cache.values))
+        allowed_BTS = local_BTS = None  # without a padding mask or cache: the fused path (attend_causal)
+        if padding_mask is not None or cache is not None:
+            allowed_BTS = local_BTS = causal_allowed(valid_BS, query_T, key_S)
+            if self.sliding_window is not None:
+                local_BTS = allowed_BTS & window_allowed(query_T, key_S, self.sliding_window)[None]
         new_kvs = []
         for depth, (block, kv) in enumerate(zip(self.blocks, kvs)):
             residual_BTD = x_BTD
-            x_BTD, kv = block(x_BTD, pos_BT, allowed_BTS, deterministic, kv, slot)
+            x_BTD, kv = block(x_BTD, pos_BT, local_BTS if self.is_local(depth) else allowed_BTS,
+                              deterministic, kv, slot)
             self.measure(x_BTD, residual_BTD, depth, mask_BT)
             new_kvs.append(kv)
         x_BTD = self.ln_f(x_BTD)
@@ -515,7 +612,10 @@ class GPT(Module):
             logits = self.wte.attend(x.astype(self.adtype))
         else:
             logits = self.lm_head(x)
-        return logits.astype(jnp.float32)
+        logits = logits.astype(jnp.float32)
+        if self.logit_softcap is not None:  # Gemma: logits bounded to (-cap, cap)
+            logits = self.logit_softcap * jnp.tanh(logits / self.logit_softcap)
+        return logits
 
     def loss(self, logits: jax.Array, targets: jax.Array) -> jax.Array:
         """Mean cross-entropy of logits [B, T, V] over targets [B, T] that are not -1."""
@@ -574,6 +674,11 @@ FAMILIES = {
     "qwen3": dict(rope=True, mlp="swiglu", norm="rmsnorm", bias=False, qk_norm=True),
     "gpt_neox": dict(rope=True, mlp="gelu_exact", norm="layernorm", bias=True,
                      parallel_residual=True, tie_embeddings=False),
+    # Llama plus a sliding window on every layer (its size, from the config, is per checkpoint)
+    "mistral": dict(rope=True, mlp="swiglu", norm="rmsnorm", bias=False),
+    # local and global layers (window, pattern and both rotary bases come from the config)
+    "gemma3_text": dict(rope=True, mlp="geglu", norm="rmsnorm", bias=False, qk_norm=True, norm_offset=1.0,
+                        sandwich_norm=True, embed_scale=True),
 }
 
 
@@ -595,6 +700,12 @@ def positions_for(mask_or_idx: jax.Array, positions: Optional[jax.Array]) -> jax
 def causal_allowed(valid_BS: jax.Array, query_slot_T: jax.Array, key_slot_S: jax.Array) -> jax.Array:
     """allowed[b, t, s]: key s is a real token and not after query t."""
     return valid_BS[:, None, :] & (key_slot_S[None, None, :] <= query_slot_T[None, :, None])
+
+
+def window_allowed(query_slot_T: jax.Array, key_slot_S: jax.Array, window: int) -> jax.Array:
+    """allowed[t, s]: key s is not `window` or more slots before query t (i - W < j; the
+    causal half, j <= i, is causal_allowed's): W keys, the query's own included."""
+    return key_slot_S[None, :] > query_slot_T[:, None] - window
 
 
 def token_nll(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:

@@ -53,10 +53,18 @@ ROOT = Path(__file__).resolve().parent
 
 TINY = dict(n_layers=2, n_embd=32, n_head=4, block_size=32)
 # every family option at once: grouped kv heads, q/k norm, SwiGLU, RMSNorm, NeoX residual,
-# separate unembedding, rotary on a quarter of each head
+# separate unembedding, rotary on a quarter of each head, Gemma's norms and scales, Llama 3
+# rope scaling, and a window of 3 tokens on the first of each two layers (sequences of the
+# decoding buffer, 13 tokens, are longer), that layer with its own rotary base
 EVERYTHING = dict(rope=True, n_kv_head=2, qk_norm=True, mlp="swiglu", norm="rmsnorm",
-                  parallel_residual=True, tie_embeddings=False, rotary_fraction=0.25)
-CONFIGS = {**{name: {**family, "n_kv_head": 2} for name, family in gpt.FAMILIES.items()},
+                  parallel_residual=True, tie_embeddings=False, rotary_fraction=0.25,
+                  norm_offset=1.0, sandwich_norm=True, embed_scale=True, attn_scale=0.3, logit_softcap=5.0,
+                  rope_scaling=("llama3", 8.0, 1.0, 4.0, 8), sliding_window=3, window_pattern="SG",
+                  local_rope_theta=100.0)
+# what a checkpoint's config adds to the families that have windows
+WINDOWS = {"mistral": dict(sliding_window=4), "gemma3_text": dict(sliding_window=3, window_pattern="SG",
+                                                                  local_rope_theta=100.0, attn_scale=0.3)}
+CONFIGS = {**{name: {**family, "n_kv_head": 2, **WINDOWS.get(name, {})} for name, family in gpt.FAMILIES.items()},
            "everything": EVERYTHING}
 
 
@@ -234,6 +242,20 @@ def test_extend_logits_equal_full_forward(name):
         step_logits, cache = extend(variables, extra[:, t:t + 1], np.ones((len(idx), 1), bool), cache)
         got.append(np.asarray(step_logits))
     assert np.abs(np.stack(got, 1) - full[:, idx.shape[1] - 1:]).max() <= 1e-5
+
+
+def test_sliding_window_matters_only_beyond_it():
+    """The window changes nothing in the first W positions and every position after them
+    (that the three attention paths apply it alike: the KV-cache tests above and
+    test_fused_causal_path_equals_left_padded_masked_path, all with EVERYTHING's window)."""
+    model = tiny(**EVERYTHING)
+    variables = init(model)
+    idx = tokens(BUFFER)
+    windowed = logits_of(model, variables, idx)
+    W = model.sliding_window
+    unwindowed = logits_of(model.clone(sliding_window=None), variables, idx)
+    np.testing.assert_array_equal(unwindowed[:, :W], windowed[:, :W])
+    assert np.abs(unwindowed[:, W:] - windowed[:, W:]).max(-1).min() > 1e-4
 
 
 @pytest.fixture(scope="module", params=[{}, EVERYTHING], ids=["gpt2", "everything"])
