@@ -7,9 +7,12 @@ family (gpt.FAMILIES holds what differs; this file maps names and layouts onto i
 the tensors of each family, read with jobs.TensorFiles (one at a time, each checked) ->
 load_backbone -> export_gpt2 (a GPT-2-layout GPT as a directory transformers loads).
 
-Supported model types: gpt2, llama, qwen2, qwen3, gpt_neox. Weights come only from
-*.safetensors files: nothing is ever unpickled and no remote code runs. Refused with one
-line: other model types, rope scaling, sliding windows, quantized weights, *.bin pickles.
+Supported model types: gpt2, llama (with Llama 3.x "llama3" or "linear" rope scaling),
+qwen2, qwen3, gpt_neox, mistral (sliding windows), gemma3_text (local and global layers).
+Weights come only from *.safetensors files: nothing is ever unpickled and no remote code
+runs. Refused with one line: other model types, other rope scaling types (yarn, dynamic,
+longrope, ...), Qwen's sliding windows, Gemma 3's attention soft-capping (transformers
+ignores it) and bidirectional attention, quantized weights, *.bin pickles.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ from safetensors.numpy import save_file
 import gpt
 from jobs import TensorFiles, UsageError, exit_status, first_line, flatten, param_shapes, read_config
 
-SUPPORTED = ("gpt2", "llama", "qwen2", "qwen3", "gpt_neox")
+SUPPORTED = ("gpt2", "llama", "qwen2", "qwen3", "gpt_neox", "mistral", "gemma3_text")
 # Buffers some checkpoints carry that are not parameters (causal masks, rotary tables)
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".attention.masked_bias",
                     "rotary_emb.inv_freq")
@@ -51,42 +54,107 @@ def read_hf_config(path: str) -> Any:
         raise UsageError(f"{config_file}: model_type {raw.get('model_type')!r} is not supported; "
                          f"supported: {', '.join(SUPPORTED)}")
     try:
-        return transformers.AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except Exception as e:  # transformers raises many kinds; the user needs one line
         raise UsageError(f"{config_file}: transformers cannot read it ({first_line(e)})") from None
+    if config.model_type != raw["model_type"]:  # mistral with layer_types is read as ministral
+        raise UsageError(f"{config_file}: transformers reads model_type {raw['model_type']!r} as "
+                         f"{config.model_type!r}, which is not supported")
+    return config
 
 
-def rope_settings(config: Any) -> Tuple[float, float]:
-    """(theta, rotary fraction) of a rotary model; only plain (default) rotary is supported."""
+def rope_scaling_of(rope: Dict[str, Any], where: str) -> Optional[Tuple[Any, ...]]:
+    """GPT.rope_scaling of one transformers rope_parameters dict; None for plain rotary.
+
+    AutoConfig turns an old config.json's rope_scaling {"rope_type" or "type", ...} and
+    top-level rope_theta into this one dict, and fills in original_max_position_embeddings.
+    """
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    try:
+        if kind in (None, "default"):
+            return None
+        if kind == "linear":
+            return ("linear", float(rope["factor"]))
+        if kind == "llama3":
+            return ("llama3", float(rope["factor"]), float(rope["low_freq_factor"]),
+                    float(rope["high_freq_factor"]), int(rope["original_max_position_embeddings"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise UsageError(f"{where}: rope scaling {kind!r} without a usable {first_line(e)}") from None
+    raise UsageError(f"{where}: rope scaling {kind!r} is not supported (only linear and llama3)")
+
+
+def rope_settings(config: Any) -> Dict[str, Any]:
+    """GPT's rotary fields of a rotary model: rope_theta, rotary_fraction, rope_scaling and,
+    for Gemma 3, local_rope_theta."""
+    t = config.model_type
     rope = dict(getattr(config, "rope_parameters", None) or {})
+    if t == "gemma3_text":  # transformers 5 nests them per layer type; an old rope_scaling is global's
+        full, local = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
+        if rope_scaling_of(local, f"{t} sliding_attention") is not None:
+            raise UsageError(f"{t}: rope scaling on sliding-window layers is not supported")
+        return dict(rope_theta=float(full.get("rope_theta", 1_000_000.0)), rotary_fraction=1.0,
+                    rope_scaling=rope_scaling_of(full, f"{t} full_attention"),
+                    local_rope_theta=float(local.get("rope_theta", 10_000.0)))
+    if any(isinstance(v, dict) for v in rope.values()):
+        raise UsageError(f"{t}: rope parameters per layer type are not supported")
     scaling = getattr(config, "rope_scaling", None)  # older spelling, if a config still has it
     if isinstance(scaling, dict):
         rope = {**scaling, **rope}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in (None, "default"):
-        raise UsageError(f"{config.model_type}: rope scaling {rope_type!r} is not supported "
-                         "(only default rotary embeddings)")
     theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     # Only GPT-NeoX rotates part of each head; Llama/Qwen rotary use the full head width
     # in transformers even if a partial_rotary_factor is present.
-    fraction = rope.get("partial_rotary_factor", 1.0) if config.model_type == "gpt_neox" else 1.0
-    return float(theta), float(fraction)
+    fraction = rope.get("partial_rotary_factor", 1.0) if t == "gpt_neox" else 1.0
+    return dict(rope_theta=float(theta), rotary_fraction=float(fraction), rope_scaling=rope_scaling_of(rope, t))
+
+
+def window_settings(config: Any) -> Dict[str, Any]:
+    """GPT's sliding_window and window_pattern ("S" local, "G" global, cycled over layers)."""
+    t = config.model_type
+    layer_types = list(getattr(config, "layer_types", None) or [])
+    window = config.sliding_window if t in ("mistral", "gemma3_text") else None
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise UsageError(f"{t}: sliding_window {window!r} is not a positive whole number")
+    if t == "mistral":  # one window (or none: null) on every layer
+        return dict(sliding_window=window, window_pattern="S")
+    if t == "gemma3_text":  # AutoConfig writes layer_types, also from an old sliding_window_pattern
+        if getattr(config, "use_bidirectional_attention", False):
+            raise UsageError(f"{t}: use_bidirectional_attention is not supported")
+        kinds = {"sliding_attention": "S", "full_attention": "G"}
+        if len(layer_types) != config.num_hidden_layers or not set(layer_types) <= set(kinds):
+            raise UsageError(f"{t}: layer_types must name sliding_attention or full_attention for each "
+                             f"of the {config.num_hidden_layers} layers, not {layer_types}")
+        if window is None and "sliding_attention" in layer_types:
+            raise UsageError(f"{t}: sliding_attention layers without a sliding_window")
+        pattern = "".join(kinds[k] for k in layer_types)
+        return dict(sliding_window=window, window_pattern=shortest_period(pattern))
+    # llama, qwen2, qwen3 (Qwen's use_sliding_window / max_window_layers stay refused)
+    if getattr(config, "use_sliding_window", False) or any(k != "full_attention" for k in layer_types):
+        raise UsageError(f"{t}: sliding-window attention is not supported")
+    return {}
+
+
+def shortest_period(pattern: str) -> str:
+    """'SSSSSGSSSSSGSS' -> 'SSSSSG': the shortest string that, cycled, gives `pattern`."""
+    return next(pattern[:n] for n in range(1, len(pattern) + 1)
+                if all(c == pattern[i % n] for i, c in enumerate(pattern)))
 
 
 def mlp_kind(config: Any, name: str, value: str) -> str:
-    """Our MLP kind for a config's activation function; gated (SwiGLU) for Llama and Qwen."""
-    kinds = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu": "gelu_exact",
-             "silu": "swiglu", "swish": "swiglu"}
-    gated = config.model_type in ("llama", "qwen2", "qwen3")
-    kind = kinds.get(value)
-    if kind is None or (kind == "swiglu") != gated:
+    """Our MLP kind for a config's activation function. Llama, Qwen, Mistral and Gemma gate
+    the MLP with it: silu -> SwiGLU, gelu_tanh (Gemma) -> GeGLU."""
+    plain = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu": "gelu_exact"}
+    gated = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu", "gelu_new": "geglu"}
+    is_gated = config.model_type in ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
+    kind = (gated if is_gated else plain).get(value)
+    if kind is None:
         raise UsageError(f"{config.model_type}: {name} {value!r} is not supported for this model type")
     return kind
 
 
 def llama_biases(config: Any) -> Tuple[bool, bool, bool]:
     """Which linear layers of a Llama-like model have biases: (q/k/v, attention-out, MLP).
-    Qwen2 always has q/k/v biases and no others; Llama and Qwen3 say so in their config."""
+    Qwen2 always has q/k/v biases and no others; Llama, Qwen3 and Gemma 3 say so in their
+    config; Mistral's has no such fields (no biases)."""
     if config.model_type == "qwen2":
         return True, False, False
     attention = bool(getattr(config, "attention_bias", False))
@@ -113,14 +181,14 @@ def hf_fields(config: Any) -> Dict[str, Any]:
                     mlp_hidden=config.n_inner or 4 * config.n_embd,
                     mlp=mlp_kind(config, "activation_function", config.activation_function),
                     norm_eps=config.layer_norm_epsilon, tie_embeddings=bool(config.tie_word_embeddings))
-    theta, fraction = rope_settings(config)
     heads = config.num_attention_heads
+    activation = "hidden_activation" if t == "gemma3_text" else "hidden_act"
     fields = dict(gpt.FAMILIES[t], n_layers=config.num_hidden_layers, n_embd=config.hidden_size,
                   n_head=heads, block_size=config.max_position_embeddings,
                   vocab_size=config.vocab_size, mlp_hidden=config.intermediate_size,
-                  mlp=mlp_kind(config, "hidden_act", config.hidden_act),
-                  rope_theta=theta, rotary_fraction=fraction,
-                  tie_embeddings=bool(config.tie_word_embeddings))
+                  mlp=mlp_kind(config, activation, getattr(config, activation)),
+                  tie_embeddings=bool(config.tie_word_embeddings),
+                  **rope_settings(config), **window_settings(config))
     if t == "gpt_neox":
         if config.hidden_size % heads:
             raise UsageError(f"gpt_neox: hidden_size {config.hidden_size} is not a multiple of "
@@ -128,14 +196,25 @@ def hf_fields(config: Any) -> Dict[str, Any]:
         return dict(fields, n_kv_head=heads, head_dim=config.hidden_size // heads,
                     norm_eps=config.layer_norm_eps, qkv_bias=bool(config.attention_bias),
                     parallel_residual=bool(config.use_parallel_residual))
-    # llama, qwen2, qwen3
-    layer_types = getattr(config, "layer_types", None) or []
-    if getattr(config, "use_sliding_window", False) or any(k != "full_attention" for k in layer_types):
-        raise UsageError(f"{t}: sliding-window attention is not supported")
+    # llama, qwen2, qwen3, mistral, gemma3_text
     qkv_bias, out_bias, mlp_bias = llama_biases(config)
-    return dict(fields, n_kv_head=config.num_key_value_heads,
-                head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-                norm_eps=config.rms_norm_eps, qkv_bias=qkv_bias, bias=out_bias or mlp_bias)
+    fields = dict(fields, n_kv_head=config.num_key_value_heads,
+                  head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+                  norm_eps=config.rms_norm_eps, qkv_bias=qkv_bias, bias=out_bias or mlp_bias)
+    if t == "gemma3_text":
+        return dict(fields, **gemma_fields(config))
+    return fields
+
+
+def gemma_fields(config: Any) -> Dict[str, Any]:
+    """Gemma 3's query scale and final soft-cap. Its attn_logit_softcapping is refused:
+    transformers stores it but never applies it to Gemma 3 (Gemma3Attention passes no
+    softcap to the attention function), so no behaviour could match both."""
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        raise UsageError("gemma3_text: attn_logit_softcapping is not supported (transformers ignores it)")
+    cap = getattr(config, "final_logit_softcapping", None)
+    return dict(attn_scale=float(config.query_pre_attn_scalar) ** -0.5,
+                logit_softcap=None if cap is None else float(cap))
 
 
 # ----------------------------------------------------------------------------- tensors per family
@@ -177,9 +256,12 @@ def linear(ck: TensorFiles, name: str, n_in: int, n_out: int, bias: bool, want_b
 
 
 def llama_params(ck: TensorFiles, m: gpt.GPT, config: Any) -> Dict[str, Any]:
-    """Llama / Qwen2 / Qwen3: Linear weights are [out, in]; RMSNorm has only a scale."""
+    """Llama / Qwen2 / Qwen3 / Mistral / Gemma 3: Linear weights are [out, in]; RMSNorm has
+    only a scale (Gemma stores w of its 1 + w). Gemma's post_attention_layernorm norms the
+    attention's output; Llama's is the norm before the MLP."""
     D, F, V, H, K, E = m.n_embd, m.mlp_width, m.vocab_size, m.n_head, m.kv_heads, m.head_width
     qkv, out, mlp = llama_biases(config)
+    norm = lambda name: {"scale": ck.get(name + ".weight", (D,))}
     p = {"wte": {"embedding": ck.get("embed_tokens.weight", (V, D))}}
     for i in range(m.n_layers):
         h = f"layers.{i}."
@@ -190,14 +272,17 @@ def llama_params(ck: TensorFiles, m: gpt.GPT, config: Any) -> Dict[str, Any]:
         if m.qk_norm:
             attn["q_norm"] = {"scale": ck.get(h + "self_attn.q_norm.weight", (E,))}
             attn["k_norm"] = {"scale": ck.get(h + "self_attn.k_norm.weight", (E,))}
-        p[f"blocks_{i}"] = {
-            "ln_1": {"scale": ck.get(h + "input_layernorm.weight", (D,))},
-            "ln_2": {"scale": ck.get(h + "post_attention_layernorm.weight", (D,))},
-            "attn": attn,
-            "mlp": {"gate": linear(ck, h + "mlp.gate_proj", D, F, mlp, m.bias),
-                    "up": linear(ck, h + "mlp.up_proj", D, F, mlp, m.bias),
-                    "down": linear(ck, h + "mlp.down_proj", F, D, mlp, m.bias)}}
-    p["ln_f"] = {"scale": ck.get("norm.weight", (D,))}
+        block = {"ln_1": norm(h + "input_layernorm"), "attn": attn,
+                 "mlp": {"gate": linear(ck, h + "mlp.gate_proj", D, F, mlp, m.bias),
+                         "up": linear(ck, h + "mlp.up_proj", D, F, mlp, m.bias),
+                         "down": linear(ck, h + "mlp.down_proj", F, D, mlp, m.bias)}}
+        if m.sandwich_norm:
+            block.update(ln_attn_out=norm(h + "post_attention_layernorm"),
+                         ln_2=norm(h + "pre_feedforward_layernorm"), ln_mlp_out=norm(h + "post_feedforward_layernorm"))
+        else:
+            block.update(ln_2=norm(h + "post_attention_layernorm"))
+        p[f"blocks_{i}"] = block
+    p["ln_f"] = norm("norm")
     if not m.tie_embeddings:
         p["lm_head"] = {"kernel": ck.get("lm_head.weight", (V, D), prefixed=False).T}
     return p
