@@ -575,7 +575,8 @@ def limits_table(cfg: BenchConfig, r: Dict[str, Any]) -> str:
              f"machine: {x['n_devices']} x {x['device']}; jax {jax.__version__}",
              f"matmul peak: {peak / 1e12:.2f} TFLOP/s {cfg.dtype} (jitted {x['peak']['size']}^2"
              + (f" on one device, x {x['peak']['devices']})" if x["peak"]["devices"] > 1 else ")"),
-             f"memory read: {bandwidth / 1e12:.3f} TB/s (over {mb:.0f} MB: the faster of a jitted sum and half a jitted copy)", "",
+             f"memory read: {bandwidth / 1e12:.3f} TB/s (over {mb:.0f} MB: the faster of a jitted sum "
+             "and half a jitted copy)", "",
              f"scoring {cfg.batch} x {cfg.seq} tokens (PerplexityEvaluation, {s['flops'] / 1e12:.2f} TFLOP "
              f"forward): best {s['best']:.3f} s (median {s['median']:.3f}, compile {s['compile']:.1f} s), "
              f"{s['tokens_per_s']:.0f} tokens/s",
@@ -673,8 +674,9 @@ def compilation_table(runs: List[Dict[str, Any]]) -> List[str]:
 
 
 def table(cfg: BenchConfig, r: Dict[str, Any]) -> str:
-    lines = [f"model: {cfg.family}, {cfg.layers} layers, {cfg.width} wide, {cfg.heads} heads, vocab {cfg.vocab}, context "
-             f"{cfg.context}, {r['params'] / 1e6:.1f}M parameters, {cfg.dtype}, random weights (std {cfg.init_std})",
+    lines = [f"model: {cfg.family}, {cfg.layers} layers, {cfg.width} wide, {cfg.heads} heads, vocab {cfg.vocab}, "
+             f"context {cfg.context}, {r['params'] / 1e6:.1f}M parameters, {cfg.dtype}, "
+             f"random weights (std {cfg.init_std})",
              f"machine: {r['cpus']} CPUs (load average {r['load'][0]:.1f} -> {r['load'][1]:.1f}); "
              f"jax {jax.__version__}, torch {r['torch']} ({r['torch_threads']} threads), "
              f"transformers {r['transformers']} (attention: {r['hf_attention']})",

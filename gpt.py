@@ -554,11 +554,11 @@ class GPT(Module):
 
         padding_mask [B, T] is True at real tokens; padded keys are never attended to, so
         padding cannot change real positions. Without one, every row is a sequence from
-        position 0 (right padding, if any, is never seen by the real tokens before it). With a cache (see init_cache), the T new
-        tokens go into slots cache.slot .. +T and attend to every earlier valid slot. On local
-        layers a sliding window counts slots (token indices, as transformers counts them):
-        with left padding only, a row's real tokens sit in consecutive slots, so it is the
-        window of positions too.
+        position 0 (right padding, if any, is never seen by the real tokens before it). With
+        a cache (see init_cache), the T new tokens go into slots cache.slot .. +T and attend
+        to every earlier valid slot. On local layers a sliding window counts slots (token
+        indices, as transformers counts them): with left padding only, a row's real tokens
+        sit in consecutive slots, so it is the window of positions too.
         """
         x_BTD = x
         B, T, _ = x_BTD.shape
