@@ -548,8 +548,17 @@ def builtin_items(task: str, split: str, seed: int = 0) -> Iterator[Any]:
 
 
 # ----------------------------------------------------------------------------- exit handling
-# A command ends in one of three ways: 0, 2 with one line for the user's mistakes, or 130
-# with one line after Ctrl-C. Python and jax can hide a Ctrl-C in two ways, handled here.
+# A command ends in one of four ways: 0, 2 with one line for the user's mistakes, or 130
+# (Ctrl-C) or 143 (SIGTERM: kill, a scheduler's stop) with one line. Python and jax can
+# hide a Ctrl-C in two ways, handled here; SIGTERM is turned into the same interruption.
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C's KeyboardInterrupt so that both end a run the same way."""
+
+
+def raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated()
 
 
 def redeliver_ctrl_c(unraisable: Any) -> None:
@@ -557,28 +566,32 @@ def redeliver_ctrl_c(unraisable: Any) -> None:
     in ..."), and jax runs one at every collection, so a Ctrl-C landing there was lost.
     Send it again, a moment later and from another thread, once the callback is left."""
     if issubclass(unraisable.exc_type, KeyboardInterrupt):
+        again_signal = signal.SIGTERM if issubclass(unraisable.exc_type, Terminated) else signal.SIGINT
         main = threading.main_thread().ident
-        again = threading.Timer(0.05, signal.pthread_kill, (main, signal.SIGINT))
+        again = threading.Timer(0.05, signal.pthread_kill, (main, again_signal))
         again.daemon = True
         again.start()
     else:
         sys.__unraisablehook__(unraisable)
 
 
-def caused_by_ctrl_c(error: Optional[BaseException]) -> bool:
-    """Whether a KeyboardInterrupt is `error` or behind it: jax turns one that lands in a
-    callback from its C++ (a pytree's __eq__, say) into a ValueError caused by it."""
+def interruption(error: Optional[BaseException]) -> Optional[KeyboardInterrupt]:
+    """The KeyboardInterrupt that is `error` or behind it, if any: jax turns one that lands
+    in a callback from its C++ (a pytree's __eq__, say) into a ValueError caused by it."""
     while error is not None:
         if isinstance(error, KeyboardInterrupt):
-            return True
+            return error
         error = error.__cause__ or error.__context__
-    return False
+    return None
 
 
 def exit_status(command: Callable[[], None]) -> int:
     """Run a command-line action: 0 when it succeeds, 2 with one line on stderr for a
-    UsageError or an OSError; on Ctrl-C, one line and the process ends at once with 130."""
+    UsageError or an OSError; on Ctrl-C or SIGTERM, one line and the process ends at once
+    with 130 or 143. Library warnings are silenced, so the first line on stderr is ours."""
     sys.unraisablehook = redeliver_ctrl_c
+    signal.signal(signal.SIGTERM, raise_terminated)
+    transformers.logging.set_verbosity_error()
     try:
         command()
     except UsageError as e:
@@ -588,14 +601,16 @@ def exit_status(command: Callable[[], None]) -> int:
         print(f"error: {e.strerror or e}: {e.filename or ''}", file=sys.stderr)
         return 2
     except BaseException as e:
-        if not caused_by_ctrl_c(e):
+        stop = interruption(e)
+        if stop is None:
             raise
-        print("interrupted: nothing partial was written", file=sys.stderr)
+        terminated = isinstance(stop, Terminated)
+        print(f"{'terminated' if terminated else 'interrupted'}: nothing partial was written", file=sys.stderr)
         # Leave at once: tearing XLA down after a Ctrl-C that lands while it starts can
         # crash (SIGSEGV), and there is nothing to clean up, every file being atomic.
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(130)
+        os._exit(143 if terminated else 130)
     return 0
 
 
