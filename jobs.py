@@ -19,15 +19,17 @@ import dataclasses
 import hashlib
 import importlib
 import json
+import math
 import os
 import random
 import signal
+import stat
 import sys
 import tempfile
 import threading
 import typing
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar
+from typing import Any, BinaryIO, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar
 
 import flax.linen as nn
 import jax
@@ -52,7 +54,17 @@ def first_line(error: Exception) -> str:
     return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
 
+def short(value: Any) -> str:
+    """A value for an error message, cut short (a config may hold megabytes)."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 # ----------------------------------------------------------------------------- options
+
+
+# Seeds reach jitted code as int32, and jax.random.key(2**32) is key(0): larger ones are refused
+MAX_SEED = 2**31 - 1
 
 
 def option(default: Any, help: str) -> Any:
@@ -191,8 +203,10 @@ class ExecutionSpec:
                         "--xla_force_host_platform_device_count=N before starting")
             raise UsageError(f"--mesh: {e}{hint}") from None
 
-    def check_out_dir(self) -> None:
-        """Make the output directory now, so an unwritable one fails before hours of work."""
+    def check_out_dir(self, filenames: Tuple[str, ...] = ()) -> None:
+        """Make the output directory now, so an unwritable one fails before hours of work; an
+        output file already there must be a regular file (a directory or FIFO in its place
+        would fail only at the end)."""
         if not self.is_main:
             return
         try:
@@ -201,31 +215,124 @@ class ExecutionSpec:
             raise UsageError(f"cannot create the output directory {self.out_dir} ({e.strerror})") from None
         if not os.access(self.out_dir, os.W_OK):
             raise UsageError(f"the output directory {self.out_dir} is not writable")
+        for name in filenames:
+            path = self.path(name)
+            if path.exists() and not path.is_file():
+                raise UsageError(f"{path} is {file_kind(path.stat().st_mode)}, not a regular file; "
+                                 "remove it or choose another --out")
 
     def path(self, filename: str) -> Path:
         return Path(self.out_dir) / filename
 
     def write_text(self, filename: str, text: str) -> None:
-        if self.is_main:
-            write_atomic(self.path(filename), text.encode())
+        self.write_together({filename: text.encode()})
 
     def write_json(self, filename: str, obj: Any) -> None:
         self.write_text(filename, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
+    def write_together(self, files: Dict[str, Optional[bytes]]) -> None:
+        """Write files of the output directory as one: every temporary is written in full
+        before any is renamed, so a failed write (a full disk) replaces none of them. None
+        removes a file, so that no stale one is left beside the new ones."""
+        if not self.is_main:
+            return
+        temporaries: Dict[str, Path] = {}
+        try:
+            for name, data in files.items():
+                if data is not None:
+                    temporaries[name] = write_temporary(self.path(name), data)
+        except BaseException:
+            for temporary in temporaries.values():
+                temporary.unlink(missing_ok=True)
+            raise
+        for name, data in files.items():
+            if data is None:
+                self.path(name).unlink(missing_ok=True)
+            else:
+                os.replace(temporaries[name], self.path(name))
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write to a temporary file in the same directory, fsync, then rename over `path`."""
+
+# ----------------------------------------------------------------------------- files
+# Every file is written to a temporary beside it and renamed, so a reader never sees half
+# a file. Every file is read only if it is a regular one: a FIFO or a device in place of a
+# config or a dataset would block forever or never end.
+
+MAX_JSON_BYTES = 8 << 20  # config.json and results.json are a few KB; a bigger one is not one
+
+
+def write_temporary(path: Path, data: bytes) -> Path:
+    """`data` in a new temporary file beside `path` (so renaming it over `path` is atomic),
+    on disk (fsync), with a new file's usual permissions. A failed write names `path`."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, new_file_mode())  # mkstemp makes it 0600
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+    except BaseException as e:
+        Path(temporary).unlink(missing_ok=True)
+        if isinstance(e, OSError):  # a full disk: the error names the file, not the temporary
+            raise OSError(e.errno, e.strerror, str(path)) from None
         raise
+    return Path(temporary)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write to a temporary file in the same directory, fsync, then rename over `path`."""
+    os.replace(write_temporary(path, data), path)
+
+
+def new_file_mode() -> int:
+    """The permissions open() gives a new file: 0666 less the umask (0644 under umask 022)."""
+    umask = os.umask(0o022)  # reading the umask means setting it; put it straight back
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def file_kind(mode: int) -> str:
+    kinds = [(stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a device"),
+             (stat.S_ISBLK, "a device"), (stat.S_ISSOCK, "a socket")]
+    return next((name for test, name in kinds if test(mode)), "a special file")
+
+
+def open_regular(path: Path, what: str) -> BinaryIO:
+    """`path` opened for reading if it is a regular file (after symlinks). Anything else is
+    refused without blocking: O_NONBLOCK makes opening a FIFO return at once."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise UsageError(f"{what} {path} does not exist") from None
+    except OSError as e:
+        raise UsageError(f"{what} {path} cannot be read ({e.strerror})") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise UsageError(f"{what} {path} is {file_kind(mode)}, not a regular file")
+    return os.fdopen(fd, "rb")
+
+
+def read_json(path: Path, what: str) -> Any:
+    """A small JSON file (a config, results.json), read only if it is a regular file of at
+    most MAX_JSON_BYTES; one-line errors for bad UTF-8, bad JSON, nesting too deep."""
+    with open_regular(path, what) as f:
+        data = f.read(MAX_JSON_BYTES + 1)
+    if len(data) > MAX_JSON_BYTES:
+        raise UsageError(f"{what} {path} is over {MAX_JSON_BYTES >> 20} MB; it cannot be one")
+    try:
+        return json.loads(data.decode("utf-8"))
+    except RecursionError:
+        raise UsageError(f"{path} is not valid JSON (nested too deep)") from None
+    except ValueError as e:  # bad JSON, bad UTF-8, an integer too long to convert
+        raise UsageError(f"{path} is not valid JSON ({first_line(e)})") from None
+
+
+def file_digest(path: Path, what: str) -> Dict[str, Any]:
+    """{"bytes", "sha256"} of a regular file: what a result's fingerprint records of it."""
+    with open_regular(path, what) as f:
+        digest = hashlib.file_digest(f, "sha256")
+        return {"bytes": os.fstat(f.fileno()).st_size, "sha256": digest.hexdigest()}
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -258,12 +365,9 @@ def read_config(directory: Path) -> Dict[str, Any]:
     if not directory.is_dir():
         raise UsageError(f"checkpoint {directory} is not a directory")
     path = directory / "config.json"
-    if not path.exists():
+    if not os.path.lexists(path):
         raise UsageError(f"checkpoint {directory} has no config.json")
-    try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UsageError(f"{path} is not valid JSON ({e})") from None
+    config = read_json(path, "checkpoint config")
     if not isinstance(config, dict):
         raise UsageError(f"{path} must hold a JSON object")
     return config
@@ -289,13 +393,8 @@ class TensorFiles:
     @staticmethod
     def _locate(directory: str) -> Dict[str, str]:
         index = os.path.join(directory, "model.safetensors.index.json")
-        if os.path.isfile(index):
-            try:
-                with open(index) as f:
-                    weight_map = json.load(f)["weight_map"]
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                raise UsageError(f"{index}: no readable weight_map ({e})") from None
-            return {name: os.path.join(directory, file) for name, file in weight_map.items()}
+        if os.path.lexists(index):
+            return TensorFiles._indexed(directory, index)
         files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
         if not files:
             if any(f.endswith(PICKLE_SUFFIXES) for f in os.listdir(directory)):
@@ -305,12 +404,27 @@ class TensorFiles:
         where = {}
         for file in files:  # model.safetensors, or shards without an index
             full = os.path.join(directory, file)
+            open_regular(Path(full), "weights").close()  # safe_open would wait on a FIFO
             try:
                 with safe_open(full, framework="numpy") as f:
                     where.update({name: full for name in f.keys()})
             except (SafetensorError, OSError, ValueError) as e:
                 raise UsageError(f"{full} is not a readable safetensors file ({first_line(e)})") from None
         return where
+
+    @staticmethod
+    def _indexed(directory: str, index: str) -> Dict[str, str]:
+        """Tensor name -> file from a sharded checkpoint's index: a mapping of names to file
+        names in the same directory, each a regular file."""
+        weight_map = read_json(Path(index), "safetensors index")
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise UsageError(f"{index}: \"weight_map\" must map tensor names to file names")
+        for file in set(weight_map.values()):
+            if os.path.basename(file) != file or file in ("", ".", ".."):
+                raise UsageError(f"{index}: {short(file)} is not a file name in {directory}")
+            open_regular(Path(directory) / file, "weights").close()
+        return {name: os.path.join(directory, file) for name, file in weight_map.items()}
 
     def name(self, name: str, prefixed: bool = True) -> str:
         """The stored name: under the prefix, or as given (HuggingFace's lm_head)."""
@@ -447,10 +561,26 @@ class ByteTokenizer:
         return {"kind": "bytes"}
 
 
+TOKENIZER_PREFIXES = ("tokenizer", "vocab", "merges", "special_tokens", "added_tokens")
+# A tokenizer needs one of these; without them transformers quietly builds an empty one
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
+def tokenizer_files(directory: str) -> List[str]:
+    """The names of a directory's tokenizer files, each checked to be a regular file (a FIFO
+    would keep transformers waiting)."""
+    names = sorted(p.name for p in Path(directory).iterdir() if p.name.startswith(TOKENIZER_PREFIXES))
+    for name in names:
+        open_regular(Path(directory) / name, "tokenizer file").close()
+    return names
+
+
 class HFTokenizer:
     """A local HuggingFace tokenizer (local files only, never remote code)."""
 
     def __init__(self, directory: str):
+        if not set(tokenizer_files(directory)) & set(VOCABULARY_FILES):
+            raise UsageError(f"{directory}: no tokenizer files (one of {', '.join(VOCABULARY_FILES)})")
         try:
             self.tok = transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True,
                                                                   trust_remote_code=False)
@@ -470,19 +600,27 @@ class HFTokenizer:
         return self.tok.decode(ids, skip_special_tokens=True)
 
     def describe(self) -> Dict[str, Any]:
-        files = [p.name for p in Path(self.directory).iterdir() if p.is_file() and
-                 p.name.startswith(("tokenizer", "vocab", "merges", "special_tokens", "added_tokens"))]
-        return {"kind": "huggingface", "files": sorted(files), "source": str(self.directory)}
+        return {"kind": "huggingface", "files": tokenizer_files(self.directory), "source": str(self.directory)}
 
 
 def load_tokenizer(config: Dict[str, Any], directory: str):
     """The tokenizer a native checkpoint's config.json describes."""
-    kind = config.get("tokenizer", {}).get("kind", "bytes")
+    tokenizer = config.get("tokenizer", {})
+    kind = tokenizer.get("kind", "bytes") if isinstance(tokenizer, dict) else None
     if kind == "bytes":
         return ByteTokenizer()
     if kind == "huggingface":
         return HFTokenizer(directory)
-    raise UsageError(f"{directory}/config.json: unknown tokenizer kind {kind!r}")
+    raise UsageError(f"{directory}/config.json: \"tokenizer\" must be {{\"kind\": \"bytes\"}} or "
+                     f"{{\"kind\": \"huggingface\"}}, got {short(tokenizer)}")
+
+
+def checkpoint_files(directory: str) -> List[str]:
+    """The names of the files a checkpoint is read from: config.json, the weights and their
+    index, the tokenizer's files (a training log or a README is not read)."""
+    names = [p.name for p in Path(directory).iterdir()
+             if p.name == "config.json" or p.name.endswith((".safetensors", ".safetensors.index.json"))]
+    return sorted(names + tokenizer_files(directory))
 
 
 # ----------------------------------------------------------------------------- built-in data
