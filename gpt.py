@@ -130,6 +130,9 @@ class Linear(Module):
         return 3 * 2 * seq * n_in * n_out
 
 
+NORM_KINDS = ("layernorm", "rmsnorm")
+
+
 class Norm(Module):
     """LayerNorm (GPT-2, NeoX) or RMSNorm (Llama, Qwen), computed in float32 for stability."""
 
@@ -146,8 +149,8 @@ class Norm(Module):
         h = x.astype(jnp.float32)
         if self.kind == "layernorm":
             h = h - h.mean(-1, keepdims=True)
-        elif self.kind != "rmsnorm":
-            raise ValueError(f"unknown norm {self.kind!r}; choose layernorm or rmsnorm")
+        elif self.kind not in NORM_KINDS:
+            raise ValueError(f"unknown norm {self.kind!r}; choose {' or '.join(NORM_KINDS)}")
         scale = jax.lax.broadcast_to_rank(scale.astype(jnp.float32), h.ndim)  # no implicit rank promotion
         h = h * jax.lax.rsqrt((h * h).mean(-1, keepdims=True) + self.eps) * scale
         if self.use_bias and self.kind == "layernorm":
@@ -266,6 +269,9 @@ class Attention(Module):
         return [Linear, Norm]
 
 
+MLP_KINDS = ("gelu", "gelu_exact", "swiglu")
+
+
 @dataclasses.dataclass(frozen=True)
 class MLPConfig:
     """The sizes and kind of one MLP: "gelu" (tanh approximation), "gelu_exact" or "swiglu"."""
@@ -285,8 +291,8 @@ class MLP(Module):
 
     def setup(self) -> None:
         c, dt = self.cfg, dict(param_dtype=self.param_dtype, activation_dtype=self.activation_dtype)
-        if c.kind not in ("gelu", "gelu_exact", "swiglu"):
-            raise ValueError(f"unknown mlp {c.kind!r}; choose gelu, gelu_exact or swiglu")
+        if c.kind not in MLP_KINDS:
+            raise ValueError(f"unknown mlp {c.kind!r}; choose {', '.join(MLP_KINDS)}")
         self.up = Linear(features=c.hidden, axes=("embed", "mlp"), use_bias=c.bias, **dt)
         if c.kind == "swiglu":
             self.gate = Linear(features=c.hidden, axes=("embed", "mlp"), use_bias=c.bias, **dt)
