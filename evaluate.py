@@ -32,12 +32,15 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, NamedTuple, Op
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 import gpt
 from hf import export_gpt2, load_backbone  # noqa: F401  (load_backbone: part of the seed API here)
-from jobs import (ByteTokenizer, ExecutionSpec, HFTokenizer, Node, UsageError, builtin_items, exit_status,
-                  is_eval_item, job, load_checkpoint, load_tokenizer, model_config, option, parse_options)
+from jobs import (MAX_SEED, ByteTokenizer, ExecutionSpec, HFTokenizer, Node, UsageError, available_memory,
+                  builtin_items, checkpoint_files, exit_status, file_digest, gigabytes, is_eval_item,
+                  job, load_checkpoint, load_tokenizer, model_config, open_regular, option, parse_options,
+                  read_json, short, to_host)
 
 
 @dataclasses.dataclass
@@ -83,11 +86,22 @@ class EvaluatorConfig:
             raise UsageError(f"--process-id must be in [0, {self.num_processes})")
         if self.num_processes > 1 and not self.coordinator:
             raise UsageError("--num-processes > 1 needs --coordinator HOST:PORT")
+        if self.coordinator is not None:
+            check_address(self.coordinator)
+        if not 0 <= self.seed <= MAX_SEED:
+            raise UsageError(f"--seed must be in [0, {MAX_SEED}] (what the PRNG takes), got {self.seed}")
         if self.mesh is not None:
             try:
                 gpt.parse_mesh(self.mesh)
             except ValueError as e:
                 raise UsageError(f"--mesh: {e}") from None
+
+
+def check_address(text: str) -> None:
+    """--coordinator: HOST:PORT, the port a number jax.distributed can listen on."""
+    host, _, port = text.rpartition(":")
+    if not host or any(c.isspace() or c == "/" for c in host) or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"--coordinator must be HOST:PORT with a port in 1..65535, got {short(text)}")
 
 
 # ----------------------------------------------------------------------------- datasets
@@ -107,14 +121,12 @@ class JsonlDataset:
         if kind not in KINDS:
             raise UsageError(f"--data {kind}:{path}: unknown kind {kind!r}; choose {', '.join(KINDS)}")
         self.kind, self.path, self.limit = kind, Path(path), limit
-        if not self.path.is_file():
-            raise UsageError(f"--data {kind}:{path}: file does not exist")
         self.count = sum(1 for _ in self._read())  # validates every line
         if self.count == 0:
             raise UsageError(f"{path}: empty dataset (no JSON lines)")
 
     def _read(self) -> Iterator[Dict[str, Any]]:
-        with open(self.path, "rb") as f:
+        with open_regular(self.path, "--data file") as f:
             n = 0
             for number, raw in enumerate(f, 1):
                 if self.limit is not None and n >= self.limit:
@@ -139,6 +151,10 @@ def check_sample(kind: str, raw: bytes, where: str) -> Dict[str, Any]:
         raise UsageError(f"{where}: not valid UTF-8") from None
     except json.JSONDecodeError as e:
         raise UsageError(f"{where}: not JSON ({e.msg})") from None
+    except RecursionError:
+        raise UsageError(f"{where}: not JSON (nested too deep)") from None
+    except ValueError:  # what else json.loads raises: an integer of more than 4300 digits
+        raise UsageError(f"{where}: not JSON (a number too long to read)") from None
     if not isinstance(sample, dict):
         raise UsageError(f"{where}: expected a JSON object")
     for field, kind_type in KINDS[kind].items():
@@ -147,13 +163,29 @@ def check_sample(kind: str, raw: bytes, where: str) -> Dict[str, Any]:
         value = sample[field]
         if not isinstance(value, kind_type) or isinstance(value, bool):
             raise UsageError(f"{where}: field {field!r} must be {kind_type.__name__}")
+        if isinstance(value, str):
+            check_text(value, repr(field), where)
     if kind == "mc":
         choices = sample["choices"]
         if len(choices) < 2 or not all(isinstance(c, str) for c in choices):
             raise UsageError(f"{where}: 'choices' must be a list of at least two strings")
+        for i, choice in enumerate(choices):
+            check_text(choice, f"choice {i}", where)
+            if not choice:
+                raise UsageError(f"{where}: choice {i} is empty; an empty continuation has nothing to score")
         if not 0 <= sample["gold"] < len(choices):
             raise UsageError(f"{where}: 'gold' {sample['gold']} is out of range for {len(choices)} choices")
     return sample
+
+
+def check_text(text: str, what: str, where: str) -> None:
+    """Text must be encodable: JSON lets "\\ud800" (half a surrogate pair) through, and no
+    tokenizer can encode it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UsageError(f"{where}: {what} holds a lone surrogate {text[e.start]!r} at character "
+                         f"{e.start}, which is not text") from None
 
 
 def builtin_dataset(name: str, size: int) -> List[Dict[str, Any]]:
@@ -592,14 +624,27 @@ class InferenceJob:
         return jax.make_array_from_callback(block.shape, sharding, lambda index: block[index])
 
     def blocks(self, items: Iterator[Any]) -> Iterator[Tuple[List[Any], int, int]]:
-        """Group items into blocks of chunks x batch_size, the chunk count a power of two."""
+        """Group items into blocks of chunks x batch, the chunk count a power of two. A group
+        smaller than one batch gets a smaller batch (the next power of two per replica that
+        holds it), so a --batch-size far beyond the data pads to what the data needs."""
         per_block = self.batch_size * self.cfg.chunks
         while True:
             group = list(itertools.islice(items, per_block))
             if not group:
                 return
-            chunks = bucket(-(-len(group) // self.batch_size), self.cfg.chunks, smallest=1)
-            yield group, chunks, self.batch_size
+            batch = self.dp * bucket(-(-len(group) // self.dp), self.batch_size // self.dp, smallest=1)
+            chunks = bucket(-(-len(group) // batch), self.cfg.chunks, smallest=1)
+            yield group, chunks, batch
+
+    def check_memory(self, batch: int, length: int) -> None:
+        """Refuse a batch that cannot fit before building it: its float32 logits and
+        log-probabilities, and a KV cache as long, against the memory available."""
+        m = self.model
+        per_token = 2 * m.vocab_size * 4 + m.n_layers * 2 * m.kv_heads * m.head_width * np.dtype(m.pdtype).itemsize
+        needed, free = batch * length * per_token, available_memory()
+        if needed > free:
+            raise UsageError(f"--batch-size {self.cfg.batch_size}: a batch of {batch} x {length} tokens needs "
+                             f"about {gigabytes(needed)}, more than the {gigabytes(free)} available")
 
     # --- the jitted kernels
 
@@ -664,6 +709,7 @@ class InferenceJob:
             whole = (r.context + r.continuation)[-(self.max_len + 1):]
             rows.append((whole[:-1], whole[1:], len(r.continuation)))
         length = bucket(max(len(inputs) for inputs, _, _ in rows), self.max_len)
+        self.check_memory(batch, length)
         n = chunks * batch
         tokens, mask = self.pad([inputs for inputs, _, _ in rows], length, n)
         targets, _ = self.pad([targets for _, targets, _ in rows], length, n)
@@ -700,6 +746,7 @@ class InferenceJob:
         for group, chunks, batch in self.blocks(iter(requests)):
             cut = [r.prompt[-room:] for r in group]
             length = bucket(max(len(c) for c in cut), room, smallest=8)
+            self.check_memory(batch, length + n_new)
             n = chunks * batch
             tokens, mask = self.pad(cut, length, n)
             ids = np.zeros(n, np.int32)
