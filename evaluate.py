@@ -6,7 +6,8 @@
 
 Reading order: options -> datasets (JSONL checked line by line, and the built-in ones)
 -> Evaluation (the seed's ABC) and its four kinds -> InferenceJob (requests in fixed-shape
-blocks, one jitted lax.scan per block, the KV-cache rollout) -> Evaluator, Evaluate,
+blocks, one jitted lax.scan per block, the KV-cache rollout) -> fingerprint and resume
+(what a run computed; the evaluations an interrupted run finished) -> Evaluator, Evaluate,
 BackboneEvaluate -> the command line. HuggingFace directories are read by hf.py.
 
 Every score comes from requests, named as lm-evaluation-harness names them:
@@ -20,9 +21,11 @@ Each request carries the index of its document, and results are regrouped by it.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import json
 import math
+import os
 import sys
 import time
 from abc import ABC, abstractmethod
@@ -768,6 +771,96 @@ class InferenceJob:
         return tqdm(items, desc=name, total=total, unit="sample", disable=quiet, leave=False)
 
 
+# ----------------------------------------------------------------------------- fingerprint and resume
+
+# Options that cannot change a score: how the work is spread and shown, and where it goes.
+# Every other option is part of a run's fingerprint, so a new option counts unless listed
+# here; --ckpt and --data count through what they name (the model's files, the datasets).
+UNSCORED_OPTIONS = ("out", "batch_size", "mesh", "chunks", "quiet", "force", "coordinator", "num_processes",
+                    "process_id", "ckpt", "data")
+RESUME_FILE = ".resume.json"  # the finished evaluations of an unfinished run, beside results.json
+OUTPUT_FILES = ("results.json", "samples.jsonl", RESUME_FILE)
+
+
+def dataset_fingerprint(evaluation: Evaluation) -> Dict[str, Any]:
+    """A JSONL file: its path, size and hash. Data made in memory (the built-in sets): a hash
+    of its items."""
+    dataset = getattr(evaluation, "dataset", None)
+    kind = getattr(evaluation, "kind", type(evaluation).__name__)
+    if isinstance(dataset, JsonlDataset):
+        return {"kind": kind, "path": os.path.abspath(dataset.path), **file_digest(dataset.path, "--data")}
+    items = json.dumps(list(dataset) if dataset is not None else None, sort_keys=True)
+    return {"kind": kind, "sha256": hashlib.sha256(items.encode()).hexdigest()}
+
+
+def parameters_digest(variables: Any) -> str:
+    """sha256 over every parameter's name, dtype, shape and bytes."""
+    digest = hashlib.sha256()
+    for name, array in sorted(to_host(variables).items()):
+        digest.update(f"{name} {array.dtype} {array.shape}".encode())
+        digest.update(np.ascontiguousarray(array).tobytes())
+    return digest.hexdigest()
+
+
+def plan(spec: ExecutionSpec, fingerprint: Dict[str, Any], force: bool) -> Optional[Dict[str, Result]]:
+    """None when the output directory's results.json holds this very run; otherwise the
+    results an interrupted try of this run kept ({} if none). Another run's results.json is
+    refused unless `force`, or unless a try of this run was let in before (it kept results)."""
+    done = spec.path("results.json")
+    kept = read_kept(spec.path(RESUME_FILE), fingerprint)
+    if force or not os.path.lexists(done):
+        return kept
+    previous = read_json(done, "results file")
+    previous = previous.get("fingerprint") if isinstance(previous, dict) else None
+    if previous == fingerprint:
+        return None
+    if kept:
+        return kept
+    raise UsageError(f"{done} holds another run ({differences(previous, fingerprint)}); "
+                     "--force replaces it, or choose another --out")
+
+
+def differences(old: Any, new: Dict[str, Any]) -> str:
+    """The first few fingerprint entries that differ, as 'key: old -> new'."""
+    if not isinstance(old, dict):
+        return "it records no fingerprint"
+    a, b = flat_keys(old), flat_keys(new)
+    keys = [k for k in dict.fromkeys([*b, *a]) if a.get(k, "absent") != b.get(k, "absent")]
+    shown = [f"{k}: {short(a.get(k, 'absent'))} -> {short(b.get(k, 'absent'))}" for k in keys[:3]]
+    return "; ".join(shown) + (f"; and {len(keys) - 3} more" if len(keys) > 3 else "")
+
+
+def flat_keys(tree: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}."""
+    flat: Dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        flat.update(flat_keys(value, name + ".") if isinstance(value, dict) and value else {name: value})
+    return flat
+
+
+def kept_form(result: Result, with_records: bool) -> Dict[str, Any]:
+    """A finished evaluation as JSON, enough to write results.json (and samples.jsonl) later."""
+    return {"kind": result.kind, "value": result.value, "stderr": result.stderr, "scores": result.scores.tolist(),
+            "metrics": result.metrics, "records": result.records if with_records else []}
+
+
+def read_kept(path: Path, fingerprint: Dict[str, Any]) -> Dict[str, Result]:
+    """The finished evaluations an interrupted try of this very run kept; {} if none (one
+    kept by another run is ignored, and replaced once this run keeps its first)."""
+    if not os.path.lexists(path):
+        return {}
+    with open_regular(path, "resume file") as f:
+        try:
+            kept = json.load(f)
+        except ValueError:
+            return {}
+    if not isinstance(kept, dict) or kept.get("fingerprint") != fingerprint:
+        return {}
+    return {name: Result(name, r["kind"], r["value"], r["stderr"], np.array(r["scores"], np.float64),
+                         r["records"], r["metrics"], []) for name, r in kept["results"].items()}
+
+
 # ----------------------------------------------------------------------------- evaluators
 
 
@@ -838,22 +931,88 @@ class Evaluator(InferenceJob):
         return (scores, intermediates) if return_intermediates else scores
 
     def run(self) -> None:
-        """Evaluate, print a table, write results.json (and samples.jsonl) atomically.
-        A finished job (a complete results.json) is not redone unless --force."""
-        done = self.spec.path("results.json")
-        if done.exists() and not self.cfg.force and is_complete(done):
-            self.say(f"{done} already exists; nothing to do (use --force to redo)")
+        """Evaluate, print a table, write results.json (and samples.jsonl) together, atomically.
+
+        results.json records the run's fingerprint: a run whose results.json holds its own
+        fingerprint is not redone, another run's is refused unless --force. Each finished
+        evaluation is kept (RESUME_FILE) until the end, so the same command after an
+        interruption computes only the evaluations still missing."""
+        self.spec.check_out_dir(OUTPUT_FILES)
+        fingerprint = self.fingerprint()
+        kept = self.follow_process_0(fingerprint)
+        if kept is None:
+            self.say(f"{self.spec.path('results.json')} already holds this run; nothing to do (--force redoes it)")
             return
-        self.spec.check_out_dir()
-        started = time.time()
-        results = [e.result(self, self.tokenizer, keep_rows=False, **self.decoding())
-                   for e in self.evaluations]
-        self.say(table(results))
+        if kept:
+            self.say(f"resuming: {', '.join(kept)} kept from an interrupted try of this run")
+        started, results = time.time(), []
+        for position, evaluation in enumerate(self.evaluations):
+            if evaluation.name in kept:
+                results.append(kept[evaluation.name])
+                continue
+            results.append(evaluation.result(self, self.tokenizer, keep_rows=False, **self.decoding()))
+            if position + 1 < len(self.evaluations):
+                self.keep(results, fingerprint)
+        if self.spec.is_main:
+            self.say(table(results))
+            self.write_results(results, fingerprint, time.time() - started)
+
+    def fingerprint(self) -> Dict[str, Any]:
+        """What this run computes, as JSON: the weights, each evaluation's data, and every
+        option that can change a score (all but UNSCORED_OPTIONS)."""
+        options = {k: v for k, v in dataclasses.asdict(self.cfg).items() if k not in UNSCORED_OPTIONS}
+        datasets = {e.name: dataset_fingerprint(e) for e in self.evaluations}
+        return json.loads(json.dumps({"model": self.model_fingerprint(), "datasets": datasets, "options": options}))
+
+    def model_fingerprint(self) -> Dict[str, Any]:
+        """A checkpoint: its path, and the size and hash of each file it is read from. Weights
+        made here (fresh, from --seed) or handed over in memory: the model's fields and a
+        hash of the parameters."""
+        if self.base is not None:
+            directory = Path(self.base.path)
+            files = {name: file_digest(directory / name, "checkpoint file") for name in checkpoint_files(directory)}
+            return {"checkpoint": os.path.abspath(directory), "files": files}
+        return {"checkpoint": None, "model": model_config(self.model), "sha256": parameters_digest(self.variables)}
+
+    def follow_process_0(self, fingerprint: Dict[str, Any]) -> Optional[Dict[str, Optional[Result]]]:
+        """Process 0 alone reads the output directory and decides (see plan); in a multi-process
+        run the others learn its decision: refused, nothing to do, or which evaluations are
+        kept (they skip those too, holding None for them)."""
+        decision, refusal = None, None
+        if self.spec.is_main:
+            try:
+                decision = plan(self.spec, fingerprint, self.cfg.force)
+            except UsageError as e:
+                refusal = e
+        if jax.process_count() > 1:
+            names = [e.name for e in self.evaluations]
+            flags = [refusal is not None, decision is None] + [decision is not None and n in decision for n in names]
+            flags = np.asarray(multihost_utils.broadcast_one_to_all(np.array(flags, np.int32)))
+            if not self.spec.is_main and flags[0]:
+                raise UsageError("process 0 refused this run (its error says why)")
+            if not self.spec.is_main:
+                decision = None if flags[1] else {n: None for n, kept in zip(names, flags[2:]) if kept}
+        if refusal is not None:
+            raise refusal
+        return decision
+
+    def keep(self, results: List[Result], fingerprint: Dict[str, Any]) -> None:
+        """The finished evaluations so far, in RESUME_FILE (process 0 only, which holds them all)."""
+        if self.spec.is_main:
+            kept = {r.name: kept_form(r, self.cfg.log_samples) for r in results}
+            self.spec.write_json(RESUME_FILE, {"fingerprint": fingerprint, "results": kept})
+
+    def write_results(self, results: List[Result], fingerprint: Dict[str, Any], seconds: float) -> None:
+        """results.json and samples.jsonl together: neither is replaced unless both are written.
+        Without --log-samples an earlier run's samples.jsonl is removed; so is RESUME_FILE."""
+        samples = None
         if self.cfg.log_samples:
-            lines = (json.dumps(r) for res in results for r in res.records)
-            self.spec.write_text("samples.jsonl", "".join(line + "\n" for line in lines))
-        self.spec.write_json("results.json", self.summary(results, time.time() - started))
-        self.say(f"results: {done}" + (f" and {self.spec.path('samples.jsonl')}" if self.cfg.log_samples else ""))
+            samples = "".join(json.dumps(r) + "\n" for res in results for r in res.records).encode()
+        summary = {**self.summary(results, seconds), "fingerprint": fingerprint}
+        self.spec.write_together({"samples.jsonl": samples, "results.json": (json.dumps(summary, indent=2) + "\n").encode(),
+                                  RESUME_FILE: None})
+        done = self.spec.path("results.json")
+        self.say(f"results: {done}" + (f" and {self.spec.path('samples.jsonl')}" if samples else ""))
 
     def summary(self, results: List[Result], seconds: float) -> Dict[str, Any]:
         evaluations = {e.name: e for e in self.evaluations}
@@ -874,13 +1033,6 @@ class Evaluator(InferenceJob):
     def say(self, text: str) -> None:
         if self.spec.is_main and not self.cfg.quiet:
             print(text, file=sys.stderr)
-
-
-def is_complete(path: Path) -> bool:
-    try:
-        return "results" in json.loads(path.read_text())
-    except (json.JSONDecodeError, OSError, UnicodeDecodeError):
-        return False
 
 
 def table(results: List[Result]) -> str:
