@@ -821,22 +821,24 @@ def plan(spec: ExecutionSpec, fingerprint: Dict[str, Any], force: bool) -> Optio
 
 
 def differences(old: Any, new: Dict[str, Any]) -> str:
-    """The first few fingerprint entries that differ, as 'key: old -> new'."""
+    """The first few fingerprint entries that differ: 'key: old -> new', 'key: added'."""
     if not isinstance(old, dict):
         return "it records no fingerprint"
-    a, b = flat_keys(old), flat_keys(new)
-    keys = [k for k in dict.fromkeys([*b, *a]) if a.get(k, "absent") != b.get(k, "absent")]
-    shown = [f"{k}: {short(a.get(k, 'absent'))} -> {short(b.get(k, 'absent'))}" for k in keys[:3]]
-    return "; ".join(shown) + (f"; and {len(keys) - 3} more" if len(keys) > 3 else "")
+    found = changed_keys(old, new)
+    return "; ".join(found[:3]) + (f"; and {len(found) - 3} more" if len(found) > 3 else "")
 
 
-def flat_keys(tree: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
-    """{"a": {"b": 1}} -> {"a.b": 1}."""
-    flat: Dict[str, Any] = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        flat.update(flat_keys(value, name + ".") if isinstance(value, dict) and value else {name: value})
-    return flat
+def changed_keys(old: Any, new: Any, prefix: str = "") -> List[str]:
+    """Where two JSON trees differ, at the shallowest key present on one side only."""
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return [] if old == new else [f"{prefix[:-1]}: {short(old)} -> {short(new)}"]
+    found = []
+    for key in dict.fromkeys([*new, *old]):
+        if key not in old or key not in new:
+            found.append(f"{prefix}{key}: {'added' if key not in old else 'removed'}")
+        else:
+            found += changed_keys(old[key], new[key], f"{prefix}{key}.")
+    return found
 
 
 def kept_form(result: Result, with_records: bool) -> Dict[str, Any]:
