@@ -788,7 +788,7 @@ def dataset_fingerprint(evaluation: Evaluation) -> Dict[str, Any]:
     dataset = getattr(evaluation, "dataset", None)
     kind = getattr(evaluation, "kind", type(evaluation).__name__)
     if isinstance(dataset, JsonlDataset):
-        return {"kind": kind, "path": os.path.abspath(dataset.path), **file_digest(dataset.path, "--data")}
+        return {"kind": kind, "path": os.path.abspath(dataset.path), **file_digest(dataset.path, "--data file")}
     items = json.dumps(list(dataset) if dataset is not None else None, sort_keys=True)
     return {"kind": kind, "sha256": hashlib.sha256(items.encode()).hexdigest()}
 
