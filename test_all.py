@@ -1718,7 +1718,7 @@ def test_killed_training_leaves_a_loadable_checkpoint(tmp_path):
 
 def test_a_finished_run_is_known_by_what_it_computed(ckpt, tmp_path):
     """Same fingerprint: nothing to do. Another model, data or scoring option: refused,
-    naming what differs, unless --force. Batch size, chunks and quiet are not scores."""
+    naming what differs, unless --force. Batch size and chunks are not scores."""
     model = tmp_path / "ck"
     shutil.copytree(ckpt, model)
     docs = write_jsonl(tmp_path / "docs.jsonl", DOCS)
@@ -1737,7 +1737,7 @@ def test_a_finished_run_is_known_by_what_it_computed(ckpt, tmp_path):
     changed_model = {"write": str(model / "config.json"),
                      "text": json.dumps({**json.loads((model / "config.json").read_text()), "step": 7})}
     first, again, spread, *outcomes = cli_many(
-        run, run, run + ["--batch-size", "3", "--chunks", "2", "--quiet"], *(args for args, _ in refused.values()),
+        run, run, run + ["--batch-size", "3", "--chunks", "2"], *(args for args, _ in refused.values()),
         changed_data, run, changed_model, run, run + ["--force"], run)
     assert first.returncode == 0, first.stderr
     assert oct((out / "results.json").stat().st_mode & 0o777) == "0o644"  # not mkstemp's 0600
@@ -1747,9 +1747,10 @@ def test_a_finished_run_is_known_by_what_it_computed(ckpt, tmp_path):
     assert recorded["datasets"]["docs"]["sha256"] == hashlib.sha256(docs.read_bytes()).hexdigest()
     assert set(recorded["options"]) >= {"evals", "limit", "dtype", "seed", "temperature", "top_p", "max_new_tokens"}
     assert not set(recorded["options"]) & {"batch_size", "mesh", "chunks", "quiet", "out"}
-    assert again.returncode == 0 and "nothing to do" in again.stderr and spread.returncode == 0
+    for proc in (again, spread):
+        assert proc.returncode == 0 and "nothing to do" in proc.stderr, proc.stderr
     *refusals, new_data, new_model, forced, after = outcomes
-    for (name, (_, needle)), proc in zip(refused.items(), refusals):
+    for (_, needle), proc in zip(refused.values(), refusals):
         assert_usage_error(proc, "holds another run", needle, "--force")
     assert_usage_error(new_data, "datasets.docs.")  # the same path, other lines
     assert_usage_error(new_model, "model.files.config.json")
