@@ -970,8 +970,9 @@ class Evaluator(InferenceJob):
         """A checkpoint: its path, and the size and hash of each file it is read from. Weights
         made here (fresh, from --seed) or handed over in memory: the model's fields and a
         hash of the parameters."""
-        if self.base is not None:
-            directory = Path(self.base.path)
+        source = self.base.path if self.base is not None else self.cfg.ckpt  # `python jobs.py` gives no base
+        if source is not None:
+            directory = Path(source)
             files = {name: file_digest(directory / name, "checkpoint file") for name in checkpoint_files(directory)}
             return {"checkpoint": os.path.abspath(directory), "files": files}
         return {"checkpoint": None, "model": model_config(self.model), "sha256": parameters_digest(self.variables)}
