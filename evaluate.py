@@ -6,7 +6,8 @@
 
 Reading order: options -> datasets (JSONL checked line by line, and the built-in ones)
 -> Evaluation (the seed's ABC) and its four kinds -> InferenceJob (requests in fixed-shape
-blocks, one jitted lax.scan per block, the KV-cache rollout) -> Evaluator, Evaluate,
+blocks, one jitted lax.scan per block, the KV-cache rollout) -> fingerprint and resume
+(what a run computed; the evaluations an interrupted run finished) -> Evaluator, Evaluate,
 BackboneEvaluate -> the command line. HuggingFace directories are read by hf.py.
 
 Every score comes from requests, named as lm-evaluation-harness names them:
@@ -20,9 +21,11 @@ Each request carries the index of its document, and results are regrouped by it.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import json
 import math
+import os
 import sys
 import time
 from abc import ABC, abstractmethod
@@ -32,12 +35,15 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, NamedTuple, Op
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 import gpt
 from hf import export_gpt2, load_backbone  # noqa: F401  (load_backbone: part of the seed API here)
-from jobs import (ByteTokenizer, ExecutionSpec, HFTokenizer, Node, UsageError, builtin_items, exit_status,
-                  is_eval_item, job, load_checkpoint, load_tokenizer, model_config, option, parse_options)
+from jobs import (MAX_SEED, ByteTokenizer, ExecutionSpec, HFTokenizer, Node, UsageError, available_memory,
+                  builtin_items, checkpoint_files, exit_status, file_digest, gigabytes, is_eval_item,
+                  job, load_checkpoint, load_tokenizer, model_config, open_regular, option, parse_options,
+                  read_json, short, to_host)
 
 
 @dataclasses.dataclass
@@ -83,11 +89,22 @@ class EvaluatorConfig:
             raise UsageError(f"--process-id must be in [0, {self.num_processes})")
         if self.num_processes > 1 and not self.coordinator:
             raise UsageError("--num-processes > 1 needs --coordinator HOST:PORT")
+        if self.coordinator is not None:
+            check_address(self.coordinator)
+        if not 0 <= self.seed <= MAX_SEED:
+            raise UsageError(f"--seed must be in [0, {MAX_SEED}] (what the PRNG takes), got {self.seed}")
         if self.mesh is not None:
             try:
                 gpt.parse_mesh(self.mesh)
             except ValueError as e:
                 raise UsageError(f"--mesh: {e}") from None
+
+
+def check_address(text: str) -> None:
+    """--coordinator: HOST:PORT, the port a number jax.distributed can listen on."""
+    host, _, port = text.rpartition(":")
+    if not host or any(c.isspace() or c == "/" for c in host) or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"--coordinator must be HOST:PORT with a port in 1..65535, got {short(text)}")
 
 
 # ----------------------------------------------------------------------------- datasets
@@ -107,14 +124,12 @@ class JsonlDataset:
         if kind not in KINDS:
             raise UsageError(f"--data {kind}:{path}: unknown kind {kind!r}; choose {', '.join(KINDS)}")
         self.kind, self.path, self.limit = kind, Path(path), limit
-        if not self.path.is_file():
-            raise UsageError(f"--data {kind}:{path}: file does not exist")
         self.count = sum(1 for _ in self._read())  # validates every line
         if self.count == 0:
             raise UsageError(f"{path}: empty dataset (no JSON lines)")
 
     def _read(self) -> Iterator[Dict[str, Any]]:
-        with open(self.path, "rb") as f:
+        with open_regular(self.path, "--data file") as f:
             n = 0
             for number, raw in enumerate(f, 1):
                 if self.limit is not None and n >= self.limit:
@@ -139,6 +154,10 @@ def check_sample(kind: str, raw: bytes, where: str) -> Dict[str, Any]:
         raise UsageError(f"{where}: not valid UTF-8") from None
     except json.JSONDecodeError as e:
         raise UsageError(f"{where}: not JSON ({e.msg})") from None
+    except RecursionError:
+        raise UsageError(f"{where}: not JSON (nested too deep)") from None
+    except ValueError:  # what else json.loads raises: an integer of more than 4300 digits
+        raise UsageError(f"{where}: not JSON (a number too long to read)") from None
     if not isinstance(sample, dict):
         raise UsageError(f"{where}: expected a JSON object")
     for field, kind_type in KINDS[kind].items():
@@ -147,13 +166,29 @@ def check_sample(kind: str, raw: bytes, where: str) -> Dict[str, Any]:
         value = sample[field]
         if not isinstance(value, kind_type) or isinstance(value, bool):
             raise UsageError(f"{where}: field {field!r} must be {kind_type.__name__}")
+        if isinstance(value, str):
+            check_text(value, repr(field), where)
     if kind == "mc":
         choices = sample["choices"]
         if len(choices) < 2 or not all(isinstance(c, str) for c in choices):
             raise UsageError(f"{where}: 'choices' must be a list of at least two strings")
+        for i, choice in enumerate(choices):
+            check_text(choice, f"choice {i}", where)
+            if not choice:
+                raise UsageError(f"{where}: choice {i} is empty; an empty continuation has nothing to score")
         if not 0 <= sample["gold"] < len(choices):
             raise UsageError(f"{where}: 'gold' {sample['gold']} is out of range for {len(choices)} choices")
     return sample
+
+
+def check_text(text: str, what: str, where: str) -> None:
+    """Text must be encodable: JSON lets "\\ud800" (half a surrogate pair) through, and no
+    tokenizer can encode it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UsageError(f"{where}: {what} holds a lone surrogate {text[e.start]!r} at character "
+                         f"{e.start}, which is not text") from None
 
 
 def builtin_dataset(name: str, size: int) -> List[Dict[str, Any]]:
@@ -633,6 +668,19 @@ class InferenceJob:
                     results[i] = result
                 self.blocks_run.append((sum(length_of(window[i]) for i in picked), chunks, rows, length))
             yield from zip(window, results)
+    def check_memory(self, rows: int, length: int, fused: bool) -> None:
+        """Refuse a batch that cannot fit before building it: its float32 logits and
+        log-probabilities (a piece at a time when scoring, see token_scores), the keys and
+        values of every layer, and, unless attention is `fused` (cuDNN), its float32 scores
+        and probabilities, against the memory available."""
+        m = self.model
+        logits = 2 * min(rows * length * m.vocab_size * 4, LOGITS_BYTES)
+        kv = rows * length * m.n_layers * 2 * m.kv_heads * m.head_width * np.dtype(m.pdtype).itemsize
+        scores = 0 if fused else 2 * rows * m.n_head * length * length * 4
+        needed, free = logits + kv + scores, available_memory()
+        if needed > free:
+            raise UsageError(f"--batch-size {self.cfg.batch_size}: a batch of {rows} x {length} tokens needs "
+                             f"about {gigabytes(needed)}, more than the {gigabytes(free)} available")
 
     # --- the jitted kernels
 
@@ -705,6 +753,7 @@ class InferenceJob:
 
         def run_block(block: List[Request], chunks: int, rows: int, length: int) -> List[Scored]:
             wholes, n = [inputs(r) for r in block], chunks * rows
+            self.check_memory(rows, length, fused=gpt.uses_cudnn(self.model.adtype))
             tokens, mask = self.pad([w[:-1] for w in wholes], length, n, left=False)
             targets, _ = self.pad([w[1:] for w in wholes], length, n, left=False)
             weights = np.zeros((n, length), bool)
@@ -742,6 +791,7 @@ class InferenceJob:
 
         def run_block(block: List[GenerationRequest], chunks: int, rows: int, length: int) -> List[Generation]:
             prompts, n = [r.prompt[-room:] for r in block], chunks * rows
+            self.check_memory(rows, length + n_new, fused=False)  # the cache is read with attend's einsums
             tokens, mask = self.pad(prompts, length, n, left=True)
             ids = np.zeros(n, np.int32)
             ids[:len(block)] = [r.doc for r in block]
@@ -762,6 +812,98 @@ class InferenceJob:
         """A tqdm bar on stderr (samples done, samples/s); off with --quiet or no terminal."""
         quiet = self.cfg.quiet or not sys.stderr.isatty() or not self.spec.is_main
         return tqdm(items, desc=name, total=total, unit="sample", disable=quiet, leave=False)
+
+
+# ----------------------------------------------------------------------------- fingerprint and resume
+
+# Options that cannot change a score: how the work is spread and shown, and where it goes.
+# Every other option is part of a run's fingerprint, so a new option counts unless listed
+# here; --ckpt and --data count through what they name (the model's files, the datasets).
+UNSCORED_OPTIONS = ("out", "batch_size", "mesh", "chunks", "quiet", "force", "coordinator", "num_processes",
+                    "process_id", "ckpt", "data")
+RESUME_FILE = ".resume.json"  # the finished evaluations of an unfinished run, beside results.json
+OUTPUT_FILES = ("results.json", "samples.jsonl", RESUME_FILE)
+
+
+def dataset_fingerprint(evaluation: Evaluation) -> Dict[str, Any]:
+    """A JSONL file: its path, size and hash. Data made in memory (the built-in sets): a hash
+    of its items."""
+    dataset = getattr(evaluation, "dataset", None)
+    kind = getattr(evaluation, "kind", type(evaluation).__name__)
+    if isinstance(dataset, JsonlDataset):
+        return {"kind": kind, "path": os.path.abspath(dataset.path), **file_digest(dataset.path, "--data file")}
+    items = json.dumps(list(dataset) if dataset is not None else None, sort_keys=True)
+    return {"kind": kind, "sha256": hashlib.sha256(items.encode()).hexdigest()}
+
+
+def parameters_digest(variables: Any) -> str:
+    """sha256 over every parameter's name, dtype, shape and bytes."""
+    digest = hashlib.sha256()
+    for name, array in sorted(to_host(variables).items()):
+        digest.update(f"{name} {array.dtype} {array.shape}".encode())
+        digest.update(np.ascontiguousarray(array).tobytes())
+    return digest.hexdigest()
+
+
+def plan(spec: ExecutionSpec, fingerprint: Dict[str, Any], force: bool) -> Optional[Dict[str, Result]]:
+    """None when the output directory's results.json holds this very run; otherwise the
+    results an interrupted try of this run kept ({} if none). Another run's results.json is
+    refused unless `force`, or unless a try of this run was let in before (it kept results)."""
+    done = spec.path("results.json")
+    kept = read_kept(spec.path(RESUME_FILE), fingerprint)
+    if force or not os.path.lexists(done):
+        return kept
+    previous = read_json(done, "results file")
+    previous = previous.get("fingerprint") if isinstance(previous, dict) else None
+    if previous == fingerprint:
+        return None
+    if kept:
+        return kept
+    raise UsageError(f"{done} holds another run ({differences(previous, fingerprint)}); "
+                     "--force replaces it, or choose another --out")
+
+
+def differences(old: Any, new: Dict[str, Any]) -> str:
+    """The first few fingerprint entries that differ: 'key: old -> new', 'key: added'."""
+    if not isinstance(old, dict):
+        return "it records no fingerprint"
+    found = changed_keys(old, new)
+    return "; ".join(found[:3]) + (f"; and {len(found) - 3} more" if len(found) > 3 else "")
+
+
+def changed_keys(old: Any, new: Any, prefix: str = "") -> List[str]:
+    """Where two JSON trees differ, at the shallowest key present on one side only."""
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return [] if old == new else [f"{prefix[:-1]}: {short(old)} -> {short(new)}"]
+    found = []
+    for key in dict.fromkeys([*new, *old]):
+        if key not in old or key not in new:
+            found.append(f"{prefix}{key}: {'added' if key not in old else 'removed'}")
+        else:
+            found += changed_keys(old[key], new[key], f"{prefix}{key}.")
+    return found
+
+
+def kept_form(result: Result, with_records: bool) -> Dict[str, Any]:
+    """A finished evaluation as JSON, enough to write results.json (and samples.jsonl) later."""
+    return {"kind": result.kind, "value": result.value, "stderr": result.stderr, "scores": result.scores.tolist(),
+            "metrics": result.metrics, "records": result.records if with_records else []}
+
+
+def read_kept(path: Path, fingerprint: Dict[str, Any]) -> Dict[str, Result]:
+    """The finished evaluations an interrupted try of this very run kept; {} if none (one
+    kept by another run is ignored, and replaced once this run keeps its first)."""
+    if not os.path.lexists(path):
+        return {}
+    with open_regular(path, "resume file") as f:
+        try:
+            kept = json.load(f)
+        except ValueError:
+            return {}
+    if not isinstance(kept, dict) or kept.get("fingerprint") != fingerprint:
+        return {}
+    return {name: Result(name, r["kind"], r["value"], r["stderr"], np.array(r["scores"], np.float64),
+                         r["records"], r["metrics"], []) for name, r in kept["results"].items()}
 
 
 # ----------------------------------------------------------------------------- evaluators
@@ -834,22 +976,89 @@ class Evaluator(InferenceJob):
         return (scores, intermediates) if return_intermediates else scores
 
     def run(self) -> None:
-        """Evaluate, print a table, write results.json (and samples.jsonl) atomically.
-        A finished job (a complete results.json) is not redone unless --force."""
-        done = self.spec.path("results.json")
-        if done.exists() and not self.cfg.force and is_complete(done):
-            self.say(f"{done} already exists; nothing to do (use --force to redo)")
+        """Evaluate, print a table, write results.json (and samples.jsonl) together, atomically.
+
+        results.json records the run's fingerprint: a run whose results.json holds its own
+        fingerprint is not redone, another run's is refused unless --force. Each finished
+        evaluation is kept (RESUME_FILE) until the end, so the same command after an
+        interruption computes only the evaluations still missing."""
+        self.spec.check_out_dir(OUTPUT_FILES)
+        fingerprint = self.fingerprint()
+        kept = self.follow_process_0(fingerprint)
+        if kept is None:
+            self.say(f"{self.spec.path('results.json')} already holds this run; nothing to do (--force redoes it)")
             return
-        self.spec.check_out_dir()
-        started = time.time()
-        results = [e.result(self, self.tokenizer, keep_rows=False, **self.decoding())
-                   for e in self.evaluations]
-        self.say(table(results))
+        if kept:
+            self.say(f"resuming: {', '.join(kept)} kept from an interrupted try of this run")
+        started, results = time.time(), []
+        for position, evaluation in enumerate(self.evaluations):
+            if evaluation.name in kept:
+                results.append(kept[evaluation.name])
+                continue
+            results.append(evaluation.result(self, self.tokenizer, keep_rows=False, **self.decoding()))
+            if position + 1 < len(self.evaluations):
+                self.keep(results, fingerprint)
+        if self.spec.is_main:
+            self.say(table(results))
+            self.write_results(results, fingerprint, time.time() - started)
+
+    def fingerprint(self) -> Dict[str, Any]:
+        """What this run computes, as JSON: the weights, each evaluation's data, and every
+        option that can change a score (all but UNSCORED_OPTIONS)."""
+        options = {k: v for k, v in dataclasses.asdict(self.cfg).items() if k not in UNSCORED_OPTIONS}
+        datasets = {e.name: dataset_fingerprint(e) for e in self.evaluations}
+        return json.loads(json.dumps({"model": self.model_fingerprint(), "datasets": datasets, "options": options}))
+
+    def model_fingerprint(self) -> Dict[str, Any]:
+        """A checkpoint: its path, and the size and hash of each file it is read from. Weights
+        made here (fresh, from --seed) or handed over in memory: the model's fields and a
+        hash of the parameters."""
+        source = self.base.path if self.base is not None else self.cfg.ckpt  # `python jobs.py` gives no base
+        if source is not None:
+            directory = Path(source)
+            files = {name: file_digest(directory / name, "checkpoint file") for name in checkpoint_files(directory)}
+            return {"checkpoint": os.path.abspath(directory), "files": files}
+        return {"checkpoint": None, "model": model_config(self.model), "sha256": parameters_digest(self.variables)}
+
+    def follow_process_0(self, fingerprint: Dict[str, Any]) -> Optional[Dict[str, Optional[Result]]]:
+        """Process 0 alone reads the output directory and decides (see plan); in a multi-process
+        run the others learn its decision: refused, nothing to do, or which evaluations are
+        kept (they skip those too, holding None for them)."""
+        decision, refusal = None, None
+        if self.spec.is_main:
+            try:
+                decision = plan(self.spec, fingerprint, self.cfg.force)
+            except UsageError as e:
+                refusal = e
+        if jax.process_count() > 1:
+            names = [e.name for e in self.evaluations]
+            flags = [refusal is not None, decision is None] + [decision is not None and n in decision for n in names]
+            flags = np.asarray(multihost_utils.broadcast_one_to_all(np.array(flags, np.int32)))
+            if not self.spec.is_main and flags[0]:
+                raise UsageError("process 0 refused this run (its error says why)")
+            if not self.spec.is_main:
+                decision = None if flags[1] else {n: None for n, kept in zip(names, flags[2:]) if kept}
+        if refusal is not None:
+            raise refusal
+        return decision
+
+    def keep(self, results: List[Result], fingerprint: Dict[str, Any]) -> None:
+        """The finished evaluations so far, in RESUME_FILE (process 0 only, which holds them all)."""
+        if self.spec.is_main:
+            kept = {r.name: kept_form(r, self.cfg.log_samples) for r in results}
+            self.spec.write_json(RESUME_FILE, {"fingerprint": fingerprint, "results": kept})
+
+    def write_results(self, results: List[Result], fingerprint: Dict[str, Any], seconds: float) -> None:
+        """results.json and samples.jsonl together: neither is replaced unless both are written.
+        Without --log-samples an earlier run's samples.jsonl is removed; so is RESUME_FILE."""
+        samples = None
         if self.cfg.log_samples:
-            lines = (json.dumps(r) for res in results for r in res.records)
-            self.spec.write_text("samples.jsonl", "".join(line + "\n" for line in lines))
-        self.spec.write_json("results.json", self.summary(results, time.time() - started))
-        self.say(f"results: {done}" + (f" and {self.spec.path('samples.jsonl')}" if self.cfg.log_samples else ""))
+            samples = "".join(json.dumps(r) + "\n" for res in results for r in res.records).encode()
+        summary = {**self.summary(results, seconds), "fingerprint": fingerprint}
+        self.spec.write_together({"samples.jsonl": samples, "results.json": (json.dumps(summary, indent=2) + "\n").encode(),
+                                  RESUME_FILE: None})
+        done = self.spec.path("results.json")
+        self.say(f"results: {done}" + (f" and {self.spec.path('samples.jsonl')}" if samples else ""))
 
     def summary(self, results: List[Result], seconds: float) -> Dict[str, Any]:
         evaluations = {e.name: e for e in self.evaluations}
@@ -870,13 +1079,6 @@ class Evaluator(InferenceJob):
     def say(self, text: str) -> None:
         if self.spec.is_main and not self.cfg.quiet:
             print(text, file=sys.stderr)
-
-
-def is_complete(path: Path) -> bool:
-    try:
-        return "results" in json.loads(path.read_text())
-    except (json.JSONDecodeError, OSError, UnicodeDecodeError):
-        return False
 
 
 def table(results: List[Result]) -> str:

@@ -133,6 +133,9 @@ class Linear(Module):
         return 3 * 2 * seq * n_in * n_out
 
 
+NORM_KINDS = ("layernorm", "rmsnorm")
+
+
 class Norm(Module):
     """LayerNorm (GPT-2, NeoX) or RMSNorm (Llama, Qwen, Gemma), computed in float32 for
     stability. Gemma scales by (offset + weight) with offset 1, its weights stored around 0."""
@@ -151,8 +154,8 @@ class Norm(Module):
         h = x.astype(jnp.float32)
         if self.kind == "layernorm":
             h = h - h.mean(-1, keepdims=True)
-        elif self.kind != "rmsnorm":
-            raise ValueError(f"unknown norm {self.kind!r}; choose layernorm or rmsnorm")
+        elif self.kind not in NORM_KINDS:
+            raise ValueError(f"unknown norm {self.kind!r}; choose {' or '.join(NORM_KINDS)}")
         scale = scale.astype(jnp.float32) + self.offset
         scale = jax.lax.broadcast_to_rank(scale, h.ndim)  # no implicit rank promotion
         h = h * jax.lax.rsqrt((h * h).mean(-1, keepdims=True) + self.eps) * scale
@@ -250,6 +253,11 @@ class AttentionConfig:
     residual_std: float = 0.02
 
 
+def uses_cudnn(dtype: Any) -> bool:
+    """Whether attend_causal asks for cuDNN's fused attention: on a GPU, in half precision."""
+    return jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+
+
 def attend_causal(q_BTHE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, scale: Optional[float] = None,
                   window: Optional[int] = None) -> jax.Array:
     """Causal attention within one sequence per row, every key a real token or padding
@@ -263,7 +271,7 @@ def attend_causal(q_BTHE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, scale
     (cuDNN: a window of left + 1 ending at i), so W is (W - 1, 0).
     """
     options = dict(scale=scale, is_causal=True, local_window_size=None if window is None else (window - 1, 0))
-    if jax.default_backend() == "gpu" and q_BTHE.dtype in (jnp.bfloat16, jnp.float16):
+    if uses_cudnn(q_BTHE.dtype):
         try:
             return jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, implementation="cudnn", **options)
         except (RuntimeError, ValueError, NotImplementedError):  # raised while tracing, before any work
@@ -333,6 +341,9 @@ class Attention(Module):
         return [Linear, Norm]
 
 
+MLP_KINDS = ("gelu", "gelu_exact", "swiglu", "geglu")
+
+
 @dataclasses.dataclass(frozen=True)
 class MLPConfig:
     """The sizes and kind of one MLP: "gelu" (tanh approximation), "gelu_exact", "swiglu"
@@ -354,8 +365,8 @@ class MLP(Module):
 
     def setup(self) -> None:
         c, dt = self.cfg, dict(param_dtype=self.param_dtype, activation_dtype=self.activation_dtype)
-        if c.kind not in ("gelu", "gelu_exact", "swiglu", "geglu"):
-            raise ValueError(f"unknown mlp {c.kind!r}; choose gelu, gelu_exact, swiglu or geglu")
+        if c.kind not in MLP_KINDS:
+            raise ValueError(f"unknown mlp {c.kind!r}; choose {', '.join(MLP_KINDS)}")
         self.up = Linear(features=c.hidden, axes=("embed", "mlp"), use_bias=c.bias, **dt)
         if c.kind in ("swiglu", "geglu"):
             self.gate = Linear(features=c.hidden, axes=("embed", "mlp"), use_bias=c.bias, **dt)

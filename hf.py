@@ -29,7 +29,8 @@ import transformers
 from safetensors.numpy import save_file
 
 import gpt
-from jobs import TensorFiles, UsageError, exit_status, first_line, flatten, param_shapes, read_config
+from jobs import (TensorFiles, UsageError, check_model_fields, exit_status, first_line, flatten, param_shapes,
+                  read_config, short)
 
 SUPPORTED = ("gpt2", "llama", "qwen2", "qwen3", "gpt_neox", "mistral", "gemma3_text")
 # Buffers some checkpoints carry that are not parameters (causal masks, rotary tables)
@@ -61,6 +62,22 @@ def read_hf_config(path: str) -> Any:
         raise UsageError(f"{config_file}: transformers reads model_type {raw['model_type']!r} as "
                          f"{config.model_type!r}, which is not supported")
     return config
+
+
+# The sizes the families' configs give, under their own names (GPT-2's and the others'),
+# plus the names transformers maps them to
+SIZE_NAMES = ("n_layer", "n_embd", "n_head", "n_positions", "n_inner", "num_hidden_layers", "hidden_size",
+              "num_attention_heads", "num_key_value_heads", "max_position_embeddings", "intermediate_size",
+              "vocab_size", "head_dim")
+
+
+def check_sizes(config: Any, config_file: str) -> None:
+    """Every size a config gives must be a positive integer: transformers takes n_head 0 or
+    n_embd -64 as they come, and hf_fields would divide by them."""
+    for name in SIZE_NAMES:
+        value = getattr(config, name, None)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise UsageError(f"{config_file}: {name} must be a positive integer, got {short(value)}")
 
 
 def rope_scaling_of(rope: Dict[str, Any], where: str) -> Optional[Tuple[Any, ...]]:
@@ -339,7 +356,10 @@ def load_backbone(path: str, dtype: str = "float32") -> Tuple[gpt.GPT, Dict[str,
     if dtype not in gpt.DTYPES:
         raise UsageError(f"dtype {dtype!r} is not supported; choose one of {', '.join(gpt.DTYPES)}")
     config = read_hf_config(path)
-    model = gpt.GPT(**hf_fields(config), param_dtype=dtype, activation_dtype=dtype)
+    config_file = os.path.join(path, "config.json")
+    check_sizes(config, config_file)
+    # the same checks as a native config.json (heads that divide, ranges, fits in memory)
+    model = check_model_fields(dict(hf_fields(config), param_dtype=dtype, activation_dtype=dtype), config_file)
     t = config.model_type
     ck = TensorFiles(path, dtype, prefix=BASE_PREFIX.get(t, "model."))
     if t == "gpt2":

@@ -12,6 +12,7 @@ import ast
 import copy
 import dataclasses
 import functools
+import hashlib
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 # before jax is imported: 8 host devices, so the mesh tests run on any laptop; and no LLVM
@@ -668,8 +670,9 @@ def test_cli_end_to_end_with_every_kind(tiny_ckpt, tmp_path):
     np.testing.assert_allclose(results["results"]["docs"], np.exp(nll / tokens), rtol=1e-9)
     # a finished job is not redone: the file stays byte-identical
     before = (out / "results.json").read_bytes()
-    again = cli("--ckpt", str(tiny_ckpt), *data, "--out", str(out), "--quiet")
-    assert again.returncode == 0 and (out / "results.json").read_bytes() == before
+    again = cli("--ckpt", str(tiny_ckpt), *data, "--out", str(out), "--log-samples", "--max-new-tokens", "4")
+    assert again.returncode == 0 and "nothing to do" in again.stderr
+    assert (out / "results.json").read_bytes() == before
 
 
 def test_cli_malformed_line_names_file_and_line(tiny_ckpt, tmp_path):
@@ -1573,6 +1576,67 @@ def assert_usage_error(proc, *needles, out=None):
         assert not (Path(out) / "results.json").exists()
 
 
+# `python evaluate.py ARGS` for many ARGS in one interpreter: the command line's own main()
+# (parse, validate, load, run, exit status) without Python's and jax's start-up (4 s) per
+# case. A {"write": PATH, "text": TEXT} step rewrites a file between runs and a {"fsize": N}
+# step caps the size of files written (a full disk; None lifts the cap). A case still
+# running after 20 s is stopped and reported, so a wait on a FIFO fails the test.
+DRIVER = r"""
+import contextlib, io, json, os, resource, signal, sys, time
+resource.setrlimit(resource.RLIMIT_AS, (16 << 30, 16 << 30))  # a blow-up fails the test, not the machine
+os.umask(0o022)  # the usual umask, so that file modes can be checked
+import evaluate
+
+class StillRunning(Exception):  # not an OSError, which main() would report as exit 2
+    pass
+
+def stop(signum, frame):
+    raise StillRunning("still running after 20 s")
+
+signal.signal(signal.SIGALRM, stop)
+outcomes = []
+for case in json.loads(sys.stdin.read()):
+    if isinstance(case, dict) and "write" in case:
+        open(case["write"], "w").write(case["text"])
+        continue
+    if isinstance(case, dict):
+        limit = resource.RLIM_INFINITY if case["fsize"] is None else case["fsize"]
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+        continue
+    stderr, start = io.StringIO(), time.time()
+    signal.alarm(20)
+    try:
+        with contextlib.redirect_stderr(stderr):
+            status = evaluate.main(case)
+    except BaseException as e:  # a traceback or a wait: the test shows which
+        status = f"{type(e).__name__}: {e}"
+    signal.alarm(0)
+    outcomes.append({"returncode": status, "stderr": stderr.getvalue(), "seconds": time.time() - start})
+print(json.dumps(outcomes))
+"""
+
+
+def driver_env(devices=1):
+    """`devices` CPU devices, and XLA's quick compilation (2x faster) as in this process."""
+    return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} "
+                                       "--xla_backend_optimization_level=0"}
+
+
+def cli_many(*cases, devices=1):
+    """Run DRIVER over `cases` (each a list of arguments, or a step); one outcome (returncode,
+    stderr, seconds) per run, in order."""
+    env = driver_env(devices)
+    cases = [case if isinstance(case, dict) else [str(a) for a in case] for case in cases]
+    proc = subprocess.run([sys.executable, "-c", DRIVER], input=json.dumps(cases), capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=120 + 25 * len(cases))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [types.SimpleNamespace(**o) for o in json.loads(proc.stdout.splitlines()[-1])]
+
+
+def files_of(out):
+    return {p.name: p.read_bytes() for p in Path(out).iterdir()}
+
+
 def save_tiny(path, scale=1.0, **fields):
     model = gpt.GPT(**{**SMALL, **fields})
     mesh = gpt.make_mesh(1, 1, devices=jax.devices()[:1])
@@ -1627,9 +1691,11 @@ def broken_checkpoints(ckpt, tmp):
 
 
 def test_bad_checkpoints_fail_with_one_line(ckpt, tmp_path):
-    for directory, needles in broken_checkpoints(ckpt, tmp_path):
-        assert_usage_error(cli("--ckpt", directory, "--evals", "grammar", "--limit", "2", "--out",
-                               tmp_path / "o"), *needles, out=tmp_path / "o")
+    cases = broken_checkpoints(ckpt, tmp_path)
+    outcomes = cli_many(*(["--ckpt", directory, "--evals", "grammar", "--limit", "2", "--out", tmp_path / "o"]
+                          for directory, _ in cases))
+    for (_, needles), proc in zip(cases, outcomes):
+        assert_usage_error(proc, *needles, out=tmp_path / "o")
 
 
 def bad_datasets(tmp):
@@ -1651,9 +1717,11 @@ def bad_datasets(tmp):
 
 
 def test_bad_datasets_fail_with_one_line(ckpt, tmp_path):
-    for kind, path, needles in bad_datasets(tmp_path):
-        assert_usage_error(cli("--ckpt", ckpt, "--data", f"{kind}:{path}", "--out", tmp_path / "o"),
-                           *needles, out=tmp_path / "o")
+    cases = bad_datasets(tmp_path)
+    outcomes = cli_many(*(["--ckpt", ckpt, "--data", f"{kind}:{path}", "--out", tmp_path / "o"]
+                          for kind, path, _ in cases))
+    for (_, _, needles), proc in zip(cases, outcomes):
+        assert_usage_error(proc, *needles, out=tmp_path / "o")
 
 
 BAD_OPTIONS = [
@@ -1674,9 +1742,10 @@ BAD_OPTIONS = [
 ]
 
 
-@pytest.mark.parametrize("args,needles", BAD_OPTIONS, ids=[" ".join(a) for a, _ in BAD_OPTIONS])
-def test_bad_options_fail_with_one_line(ckpt, tmp_path, args, needles):
-    assert_usage_error(cli("--ckpt", ckpt, "--out", tmp_path / "o", *args), *needles, out=tmp_path / "o")
+def test_bad_options_fail_with_one_line(ckpt, tmp_path):
+    outcomes = cli_many(*(["--ckpt", ckpt, "--out", tmp_path / "o", *args] for args, _ in BAD_OPTIONS), devices=2)
+    for (args, needles), proc in zip(BAD_OPTIONS, outcomes):
+        assert_usage_error(proc, *needles, out=tmp_path / "o")
 
 
 def test_awkward_inputs_are_handled_and_counted(ckpt, tmp_path):
@@ -1861,3 +1930,294 @@ def test_killed_training_leaves_a_loadable_checkpoint(tmp_path):
     mesh = gpt.make_mesh(1, 1, devices=jax.devices()[:1])
     model, variables, config = jobs.load_checkpoint(str(out), mesh)
     assert config["step"] >= 2 and model.n_embd == 32
+
+
+# ---- trust under misuse: a finished run is known by what it computed, an interrupted one
+# resumes, results.json and samples.jsonl go together, and bad input is refused up front
+
+def test_a_finished_run_is_known_by_what_it_computed(ckpt, tmp_path):
+    """Same fingerprint: nothing to do. Another model, data or scoring option: refused,
+    naming what differs, unless --force. Batch size and chunks are not scores."""
+    model = tmp_path / "ck"
+    shutil.copytree(ckpt, model)
+    docs = write_jsonl(tmp_path / "docs.jsonl", DOCS)
+    same_lines = tmp_path / "elsewhere"
+    same_lines.mkdir()
+    shutil.copy(docs, same_lines / "docs.jsonl")
+    out = tmp_path / "o"
+    run = ["--ckpt", model, "--evals", "grammar", "--limit", "4", "--data", f"ppl:{docs}", "--out", out]
+    refused = {"fresh weights": ([a for a in run if a not in ("--ckpt", model)], "model.checkpoint"),
+               "--seed 1": (run + ["--seed", "1"], "options.seed: 0 -> 1"),
+               "--dtype bfloat16": (run + ["--dtype", "bfloat16"], "options.dtype"),
+               "--limit 3": (run[:4] + ["--limit", "3"] + run[6:], "options.limit: 4 -> 3"),
+               "--log-samples": (run + ["--log-samples"], "options.log_samples"),
+               "same lines elsewhere": (run[:7] + [f"ppl:{same_lines / 'docs.jsonl'}"] + run[8:], "datasets.docs.path")}
+    changed_data = {"write": str(docs), "text": json.dumps({"text": "other words"}) + "\n"}
+    changed_model = {"write": str(model / "config.json"),
+                     "text": json.dumps({**json.loads((model / "config.json").read_text()), "step": 7})}
+    first, again, spread, *outcomes = cli_many(
+        run, run, run + ["--batch-size", "3", "--chunks", "2"], *(args for args, _ in refused.values()),
+        changed_data, run, changed_model, run, run + ["--force"], run)
+    assert first.returncode == 0, first.stderr
+    assert oct((out / "results.json").stat().st_mode & 0o777) == "0o644"  # not mkstemp's 0600
+    recorded = json.loads((out / "results.json").read_text())["fingerprint"]
+    assert recorded["model"]["checkpoint"] == str(model)
+    assert set(recorded["model"]["files"]) == {"config.json", "model.safetensors"}
+    assert recorded["datasets"]["docs"]["sha256"] == hashlib.sha256(docs.read_bytes()).hexdigest()
+    assert set(recorded["options"]) >= {"evals", "limit", "dtype", "seed", "temperature", "top_p", "max_new_tokens"}
+    assert not set(recorded["options"]) & {"batch_size", "mesh", "chunks", "quiet", "out"}
+    for proc in (again, spread):
+        assert proc.returncode == 0 and "nothing to do" in proc.stderr, proc.stderr
+    *refusals, new_data, new_model, forced, after = outcomes
+    for (_, needle), proc in zip(refused.values(), refusals):
+        assert_usage_error(proc, "holds another run", needle, "--force")
+    assert_usage_error(new_data, "datasets.docs.")  # the same path, other lines
+    assert_usage_error(new_model, "model.files.config.json")
+    assert forced.returncode == 0 and after.returncode == 0 and "nothing to do" in after.stderr
+    assert json.loads((out / "results.json").read_text())["n_samples"]["docs"] == 1
+
+
+def kept_so_far(out):
+    try:
+        return list(json.loads((out / ".resume.json").read_text())["results"])
+    except (OSError, ValueError):
+        return []
+
+
+def test_an_interrupted_run_resumes_and_ends_as_an_uninterrupted_one(ckpt, tmp_path):
+    """SIGTERM during the third of four evaluations: exit 143 with one line, the two finished
+    ones kept; the same command again computes the rest, and results.json and samples.jsonl
+    equal those of a run never interrupted."""
+    data = [("mc", "choices", MC), ("gen", "qa", GEN),
+            ("ppl", "long", [{"text": f"document {i} " * 30} for i in range(60)]), ("acc", "seq", DOCS)]
+    args = ["--ckpt", ckpt, "--batch-size", "1", "--chunks", "1", "--max-new-tokens", "4", "--log-samples"]
+    for kind, name, rows in data:
+        args += ["--data", f"{kind}:{write_jsonl(tmp_path / (name + '.jsonl'), rows)}"]
+    out = tmp_path / "o"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "evaluate.py"), *map(str, args), "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=driver_env())
+    deadline = time.time() + 120
+    while len(kept_so_far(out)) < 2 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    proc.terminate()  # SIGTERM, as kill and schedulers send it
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and err.strip().splitlines() == ["terminated: nothing partial was written"], err
+    assert kept_so_far(out) == ["choices", "qa"] and not (out / "results.json").exists()
+    again, whole = cli_many(args + ["--out", out], args + ["--out", tmp_path / "whole"])
+    assert again.returncode == 0 and "resuming: choices, qa kept" in again.stderr, again.stderr[-2000:]
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    first, second = (json.loads((d / "results.json").read_text()) for d in (tmp_path / "whole", out))
+    for key in ("results", "metrics", "n_samples", "stderr", "fingerprint"):
+        assert first[key] == second[key], key
+    assert (out / "samples.jsonl").read_bytes() == (tmp_path / "whole" / "samples.jsonl").read_bytes()
+    assert sorted(files_of(out)) == ["results.json", "samples.jsonl"]  # the kept results are gone
+
+
+def test_results_and_samples_are_replaced_together_or_not_at_all(ckpt, tmp_path):
+    """A full disk (file size capped) while writing samples.jsonl, then while writing
+    results.json: the previous pair stays as it was, the error names the file, and no
+    temporary is left. A run without --log-samples leaves no earlier samples.jsonl behind."""
+    out = tmp_path / "o"
+    run = ["--ckpt", ckpt, "--evals", "grammar", "--quiet", "--force"]
+    first, = cli_many(run + ["--limit", "4", "--log-samples", "--out", out])
+    assert first.returncode == 0, first.stderr
+    pair = files_of(out)
+    samples, results = len(pair["samples.jsonl"]), len(pair["results.json"])
+    assert samples < results  # so a cap between the two sizes fails only results.json
+    shutil.copytree(out, tmp_path / "o2")
+    other = run + ["--limit", "2"]  # fewer samples: a replaced samples.jsonl would show
+    no_room_for_samples, no_room_for_results, no_samples = cli_many(
+        {"fsize": samples // 4}, other + ["--log-samples", "--out", out],
+        {"fsize": (samples + results) // 2}, other + ["--log-samples", "--out", out],
+        {"fsize": None}, other + ["--out", tmp_path / "o2"])
+    assert_usage_error(no_room_for_samples, "File too large", str(out / "samples.jsonl"))
+    assert_usage_error(no_room_for_results, "File too large", str(out / "results.json"))
+    assert files_of(out) == pair
+    assert no_samples.returncode == 0 and sorted(files_of(tmp_path / "o2")) == ["results.json"]
+
+
+def with_model_config(ckpt, target, change):
+    """A copy of a native checkpoint, change(config) applied to its config.json."""
+    shutil.copytree(ckpt, target)
+    config = json.loads((target / "config.json").read_text())
+    change(config)
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+def with_tensors(ckpt, target, change):
+    shutil.copytree(ckpt, target)
+    tensors = load_file(str(target / "model.safetensors"))
+    change(tensors)
+    save_file(tensors, str(target / "model.safetensors"))
+    return target
+
+
+ABSURD = [("n_layers", 10**7), ("vocab_size", 10**12), ("n_embd", 4 * 10**6), ("mlp_hidden", 10**13),
+          ("n_layers", 10**30)]  # each would take hours or terabytes to build
+BAD_MODEL_FIELDS = [  # (field, value, words of the error)
+    ("n_head", 0, "n_head must be at least 1"), ("n_head", 3, "n_head 3 does not divide n_embd 64"),
+    ("n_layers", -1, "n_layers must be at least 1"), ("vocab_size", 0, "vocab_size must be at least 1"),
+    ("n_embd", 64.5, "'n_embd' must be an integer"), ("n_embd", "64", "'n_embd' must be an integer"),
+    ("n_embd", True, "'n_embd' must be an integer"), ("block_size", None, "'block_size' must be an integer"),
+    ("mlp", "relu", "unknown mlp 'relu'"), ("norm", "batchnorm", "unknown norm 'batchnorm'"),
+    ("norm_eps", -1.0, "norm_eps must be above 0"), ("dropout", "x", "'dropout' must be a number"),
+    ("rotary_fraction", 2.0, "rotary_fraction must be in (0, 1]"), ("rope", "yes", "'rope' must be true or false"),
+    ("n_kv_head", 3, "n_kv_head 3 does not divide n_head 4"), ("head_dim", 0, "head_dim must be at least 1"),
+    ("foo", 1, "unknown model field 'foo'"), ("n_layers", 1000, "n_layers 1000, the weights hold 2 blocks"),
+] + [(name, value, "memory available") for name, value in ABSURD]
+
+
+def test_bad_native_checkpoints_are_refused_before_anything_is_built(ckpt, tmp_path):
+    """Every config.json field checked for presence, type and range; absurd sizes refused at
+    once from an estimate of the parameter bytes; weights that are not floats, or that the
+    model does not use, refused."""
+    cases = [(with_model_config(ckpt, tmp_path / f"f{i}", lambda c, n=name, v=value: c["model"].update({n: v})),
+              ["config.json", words]) for i, (name, value, words) in enumerate(BAD_MODEL_FIELDS)]
+    cases += [(with_model_config(ckpt, tmp_path / "nomodel", lambda c: c.pop("model")), ['no "model"']),
+              (with_model_config(ckpt, tmp_path / "listmodel", lambda c: c.update(model=[2, 64])),
+               ['"model" must be an object']),
+              (with_model_config(ckpt, tmp_path / "tokenizer", lambda c: c.update(tokenizer="bytes")),
+               ['"tokenizer" must be']),
+              (with_model_config(ckpt, tmp_path / "huge", lambda c: c.update(notes="x" * (9 << 20))), ["over 8 MB"])]
+    for dtype in (np.int32, bool):
+        cases.append((with_tensors(ckpt, tmp_path / f"t{np.dtype(dtype)}",
+                                   lambda t, d=dtype: t.update({"ln_f/scale": np.ones(64, d)})),
+                      ["ln_f/scale", f"dtype {np.dtype(dtype)}"]))
+    cases.append((with_tensors(ckpt, tmp_path / "extra", lambda t: t.update({"extra/w": np.ones(3, np.float32)})),
+                  ["does not use", "extra/w"]))
+    outcomes = cli_many(*(["--ckpt", path, "--evals", "grammar", "--limit", "2", "--out", tmp_path / "o"]
+                          for path, _ in cases))
+    for (path, needles), proc in zip(cases, outcomes):
+        assert_usage_error(proc, *needles, out=tmp_path / "o")
+    for proc, (_, _, words) in zip(outcomes, BAD_MODEL_FIELDS):
+        if words == "memory available" or "blocks" in words:
+            assert proc.seconds < 1, (words, proc.seconds)  # estimated, never built
+
+
+@pytest.fixture(scope="module")
+def hf_gpt2(tmp_path_factory):
+    """A tiny HuggingFace GPT-2 directory with a tokenizer trained here (no torch needed)."""
+    root = tmp_path_factory.mktemp("hfgpt2")
+    train_tokenizer(str(root / "tokenizer"))
+    model = gpt.GPT(**{**SMALL, "vocab_size": VOCAB})  # SMALL is GPT-2 layout
+    export_gpt2(model, gpt.init_params(model, mesh_of(), seed=0), str(root / "gpt2"), str(root / "tokenizer"))
+    return root / "gpt2"
+
+
+def test_bad_huggingface_directories_are_refused(hf_gpt2, tmp_path):
+    """Impossible sizes, a weight_map that is not a mapping of file names, no tokenizer
+    files; and transformers' warnings never come before the error line."""
+    def changed(name, **config):
+        return with_config(hf_gpt2, tmp_path / name, **config)
+
+    def index(name, weight_map):
+        target = tmp_path / name
+        shutil.copytree(hf_gpt2, target)
+        (target / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        return target
+
+    def without_tokenizer():
+        target = tmp_path / "notokenizer"
+        shutil.copytree(hf_gpt2, target, ignore=shutil.ignore_patterns("tokenizer*", "vocab*", "merges*",
+                                                                       "special_tokens*"))
+        return target
+
+    cases = [(changed("nohead", n_head=0), ["n_head must be a positive integer"]),
+             (changed("fivehead", n_head=5), ["n_head 5 does not divide n_embd 64"]),
+             (changed("negative", n_embd=-64), ["n_embd must be a positive integer"]),
+             (changed("nopositions", n_positions=0), ["n_positions must be a positive integer"]),
+             (changed("inner", n_inner=-1), ["n_inner must be a positive integer"]),
+             (changed("deep", n_layer=10**7), ["memory available"]),
+             (index("list", ["model.safetensors"]), ['"weight_map" must map tensor names to file names']),
+             (index("ints", {"transformer.wte.weight": 5}), ['"weight_map" must map']),
+             (index("escape", {"transformer.wte.weight": "../gpt2/model.safetensors"}), ["is not a file name in"]),
+             (without_tokenizer(), ["no tokenizer files"])]
+    outcomes = cli_many(*(["--ckpt", path, "--evals", "grammar", "--limit", "2", "--out", tmp_path / "o"]
+                          for path, _ in cases))
+    for (path, needles), proc in zip(cases, outcomes):
+        assert_usage_error(proc, *needles, out=tmp_path / "o")
+    # a fresh process, as transformers' logging writes to the stderr it found first
+    no_vocabulary = changed("novocabulary", vocab_size=0)
+    assert_usage_error(cli("--ckpt", no_vocabulary, "--evals", "grammar", "--limit", "2", "--out", tmp_path / "o",
+                           devices=1), "vocab_size must be a positive integer", out=tmp_path / "o")
+
+
+def test_bad_dataset_lines_are_refused_naming_file_and_line(ckpt, tmp_path):
+    """What JSON lets through but no evaluation can use: nesting too deep, integers too long
+    to read, lone surrogates (no tokenizer encodes them), empty multiple-choice choices."""
+    deep = '{"text": "a", "notes": ' + "[" * 100_000 + "]" * 100_000 + "}\n"
+    cases = [("ppl", [{"text": "fine"}, deep], [":2", "nested too deep"]),
+             ("mc", ['{"context": "a", "choices": ["x", "y"], "gold": ' + "1" * 5000 + "}\n"],
+              [":1", "a number too long"]),
+             ("ppl", ['{"text": "a\\ud800b"}\n'], [":1", "'text' holds a lone surrogate"]),
+             ("mc", ['{"context": "a", "choices": ["x", "\\udc00"], "gold": 0}\n'], ["choice 1 holds a lone surrogate"]),
+             ("gen", ['{"prompt": "1+1=", "answer": "\\ud83d"}\n'], ["'answer' holds a lone surrogate"]),
+             ("mc", [{"context": "the cat", "choices": ["", " sees"], "gold": 1}], ["choice 0 is empty"])]
+    paths = [write_jsonl(tmp_path / f"d{i}.jsonl", rows) for i, (_, rows, _) in enumerate(cases)]
+    outcomes = cli_many(*(["--ckpt", ckpt, "--data", f"{kind}:{path}", "--out", tmp_path / "o"]
+                          for (kind, _, _), path in zip(cases, paths)))
+    for (_, _, needles), path, proc in zip(cases, paths, outcomes):
+        assert_usage_error(proc, str(path), *needles, out=tmp_path / "o")
+
+
+def test_bad_options_are_refused_and_batch_sizes_pad_to_the_data(ckpt, tmp_path):
+    """Seeds the PRNG cannot take and malformed --coordinator addresses are refused; a
+    --batch-size far beyond the data pads only to what the data needs (same scores as 1);
+    one whose batch cannot fit in memory is refused before it is built."""
+    wide = save_tiny(tmp_path / "wide", vocab_size=50304, block_size=4096)
+    long_docs = write_jsonl(tmp_path / "long.jsonl", [{"text": f"{i} " + "x" * 4000} for i in range(1024)])
+    run = ["--ckpt", ckpt, "--evals", "grammar", "--limit", "2"]
+    bad = [(["--seed", seed], [f"--seed must be in [0, {2**31 - 1}]"]) for seed in ("-1", str(2**31), str(2**64))]
+    bad += [(["--coordinator", address], ["--coordinator must be HOST:PORT"])
+            for address in ("nohost", "localhost:abc", "127.0.0.1:99999", ":1234", "a b:1234")]
+    outcomes = cli_many(*(run + args + ["--out", tmp_path / "o"] for args, _ in bad),
+                        run + ["--batch-size", "1", "--out", tmp_path / "one"],
+                        run + ["--batch-size", str(10**9), "--out", tmp_path / "huge"],
+                        ["--ckpt", wide, "--data", f"ppl:{long_docs}", "--batch-size", "1024", "--out", tmp_path / "o"])
+    *refused, one, huge, beyond = outcomes
+    for (_, needles), proc in zip(bad, refused):
+        assert_usage_error(proc, *needles, out=tmp_path / "o")
+    assert one.returncode == 0 and huge.returncode == 0, huge.stderr[-2000:]
+    assert results_of(tmp_path / "huge") == results_of(tmp_path / "one")
+    assert_usage_error(beyond, "--batch-size 1024", "more than", out=tmp_path / "o")
+
+
+def test_files_that_are_not_regular_are_refused_without_waiting(ckpt, tmp_path):
+    """A FIFO, a device or a directory where a dataset, a checkpoint's config or weights, or
+    results.json belongs: refused at once, never read without limit or waited on."""
+    def fifo(path):
+        os.mkfifo(path)
+
+    def in_checkpoint(name, make):
+        target = tmp_path / f"ck-{name}-{make.__name__}"
+        shutil.copytree(ckpt, target)
+        (target / name).unlink()
+        make(target / name)
+        return target
+
+    def in_out(name, make):
+        out = tmp_path / f"out-{name}-{make.__name__}"
+        out.mkdir()
+        make(out / name)
+        return out
+
+    def device(path):
+        path.symlink_to("/dev/zero")
+
+    directory = Path.mkdir
+    run = ["--evals", "grammar", "--limit", "2"]
+    cases = [(["--data", f"ppl:{tmp_path / 'fifo.jsonl'}"], "a FIFO"), (["--data", f"ppl:{tmp_path}"], "a directory"),
+             (["--data", "ppl:/dev/zero"], "a device")]
+    fifo(tmp_path / "fifo.jsonl")
+    cases += [(["--ckpt", in_checkpoint("config.json", make)] + run, kind)
+              for make, kind in ((fifo, "a FIFO"), (directory, "a directory"), (device, "a device"))]
+    cases += [(["--ckpt", in_checkpoint("model.safetensors", fifo)] + run, "a FIFO")]
+    cases += [(["--ckpt", ckpt, "--out", in_out("results.json", make)] + run, kind)
+              for make, kind in ((fifo, "a FIFO"), (directory, "a directory"), (device, "a device"))]
+    cases += [(["--ckpt", ckpt, "--log-samples", "--out", in_out("samples.jsonl", directory)] + run, "a directory")]
+    outcomes = cli_many(*(args + (["--ckpt", ckpt] if "--ckpt" not in args else [])
+                          + (["--out", tmp_path / "o"] if "--out" not in args else []) for args, _ in cases))
+    for (args, kind), proc in zip(cases, outcomes):
+        assert_usage_error(proc, kind, "not a regular file")
+        assert proc.seconds < 10, proc.seconds

@@ -57,6 +57,8 @@ class TrainConfig:
         for name in ("steps", "batch_size", "seq_len", "ckpt_every", "n_layers", "n_embd", "n_head"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+        if not 0 <= self.seed <= jobs.MAX_SEED:
+            raise UsageError(f"--seed must be in [0, {jobs.MAX_SEED}] (what the PRNG takes), got {self.seed}")
         micro = self.micro_batch_size or self.batch_size
         if micro < 1 or self.batch_size % micro:
             raise UsageError(f"--batch-size {self.batch_size} is not a multiple of --micro-batch-size {micro}")
