@@ -408,6 +408,8 @@ def has_type(value: Any, kind: Any) -> bool:
 def type_name(kind: Any) -> str:
     if typing.get_origin(kind) is typing.Union:
         return f"{type_name(typing.get_args(kind)[0])} or null"
+    if typing.get_origin(kind) is tuple:
+        return "a list"
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(kind, str(kind))
 
 

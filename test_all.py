@@ -2065,6 +2065,9 @@ BAD_MODEL_FIELDS = [  # (field, value, words of the error)
     ("rotary_fraction", 2.0, "rotary_fraction must be in (0, 1]"), ("rope", "yes", "'rope' must be true or false"),
     ("n_kv_head", 3, "n_kv_head 3 does not divide n_head 4"), ("head_dim", 0, "head_dim must be at least 1"),
     ("foo", 1, "unknown model field 'foo'"), ("n_layers", 1000, "n_layers 1000, the weights hold 2 blocks"),
+    ("sliding_window", 0, "sliding_window must be at least 1"), ("window_pattern", "SX", "window_pattern must be"),
+    ("logit_softcap", -30.0, "logit_softcap must be above 0"), ("rope_scaling", ["yarn", 4.0], "rope_scaling"),
+    ("rope_scaling", ["llama3", 8.0], "rope_scaling"), ("rope_scaling", "linear", "'rope_scaling' must be a list or null"),
 ] + [(name, value, "memory available") for name, value in ABSURD]
 
 
