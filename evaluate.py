@@ -23,6 +23,7 @@ import dataclasses
 import itertools
 import json
 import math
+import re
 import sys
 import time
 from abc import ABC, abstractmethod
@@ -56,6 +57,8 @@ class EvaluatorConfig:
     max_new_tokens: Optional[int] = option(None, "generation length (default: each evaluation's own)")
     temperature: float = option(0.0, "sampling temperature for generation (0: greedy)")
     top_p: float = option(1.0, "nucleus sampling: keep the smallest set of tokens with this much probability")
+    stop: List[str] = option(["\n"], "stop string of --data gen files (repeatable; \\n and \\t as escapes; "
+                                     "'' for none); a line's own \"until\" list wins")
     seed: int = option(0, "fresh weights and sampling")
     log_samples: bool = option(False, "also write samples.jsonl, one line per sample")
     force: bool = option(False, "redo a run whose results.json already exists")
@@ -88,6 +91,16 @@ class EvaluatorConfig:
                 gpt.parse_mesh(self.mesh)
             except ValueError as e:
                 raise UsageError(f"--mesh: {e}") from None
+
+
+ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
+def stop_strings(options: List[str]) -> Tuple[str, ...]:
+    """--stop values as stop strings: \\n, \\t, \\r and \\\\ unescaped (a shell passes them
+    literally), empty values dropped (so --stop '' means none)."""
+    unescaped = (re.sub(r"\\(.)", lambda m: ESCAPES.get(m.group(1), m.group(0)), s) for s in options)
+    return tuple(s for s in unescaped if s)
 
 
 # ----------------------------------------------------------------------------- datasets
@@ -153,6 +166,10 @@ def check_sample(kind: str, raw: bytes, where: str) -> Dict[str, Any]:
             raise UsageError(f"{where}: 'choices' must be a list of at least two strings")
         if not 0 <= sample["gold"] < len(choices):
             raise UsageError(f"{where}: 'gold' {sample['gold']} is out of range for {len(choices)} choices")
+    if kind == "gen" and "until" in sample:  # optional: this line's own stop strings
+        until = sample["until"]
+        if not isinstance(until, list) or not all(isinstance(s, str) for s in until):
+            raise UsageError(f"{where}: 'until' must be a list of strings")
     return sample
 
 
@@ -463,8 +480,9 @@ class MultipleChoiceEvaluation(DatasetEvaluation):
 class RolloutEvaluation(DatasetEvaluation):
     """Exact match of the generated answer (greedy by default) after stripping whitespace.
 
-    Decoding stops at EOS, at a stop string (default "\\n") or at max_new_tokens; prompts
-    longer than the room left in the context are cut from the left and counted."""
+    Decoding stops at EOS or at max_new_tokens, and the text is cut at the first stop string:
+    the sample's own "until" list if it has one, else `stop` (default "\\n"). Prompts longer
+    than the room left in the context are cut from the left and counted."""
 
     kind = "gen"
 
@@ -474,7 +492,8 @@ class RolloutEvaluation(DatasetEvaluation):
 
     def records(self, inference, encoding, keep_rows, max_new_tokens=None, temperature=0.0,
                 top_p=1.0, seed=0, **kwargs):
-        requests = (GenerationRequest(index, encoding.encode(s["prompt"]) or [inference.prefix_id], self.stop)
+        requests = (GenerationRequest(index, encoding.encode(s["prompt"]) or [inference.prefix_id],
+                                      tuple(s.get("until", self.stop)))
                     for index, s in enumerate(self.dataset))
         outputs = inference.generate_until(requests, max_new_tokens or self.max_new_tokens, temperature,
                                            top_p, seed, keep_rows)
@@ -769,7 +788,10 @@ class Evaluator(InferenceJob):
             if not sep or not path:
                 raise UsageError(f"--data {item!r} is not KIND:FILE (kinds: {', '.join(KINDS)})")
             dataset = JsonlDataset(kind, path, c.limit)
-            evaluations.append(KIND_CLASSES[kind](Path(path).stem, dataset))
+            if kind == "gen":
+                evaluations.append(RolloutEvaluation(Path(path).stem, dataset, stop=stop_strings(c.stop)))
+            else:
+                evaluations.append(KIND_CLASSES[kind](Path(path).stem, dataset))
         seen = [e.name for e in evaluations]
         if len(set(seen)) != len(seen):
             raise UsageError(f"two evaluations share a name: {', '.join(seen)}")

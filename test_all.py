@@ -667,6 +667,33 @@ def test_trainer_learns_and_evaluates_through_from_trainer(tmp_path):
     assert config_json["step"] == 30 and model == trainer.model
 
 
+def test_gen_stop_strings_per_line_and_from_the_command_line(small, tmp_path):
+    """--stop (repeatable, escapes, '' for none) and a line's own "until" cut the generated text
+    at the first stop string, as lm-eval's generate_until does."""
+    assert evaluate.stop_strings(["\\n", "", "a\\tb", "\\\\n", "."]) == ("\n", "a\tb", "\\n", ".")
+    prompts = [{"prompt": p, "answer": ""} for p in ("12+3", "the", "ab", "x")]
+    ev = evaluator(small, [])
+    full = [r["output"] for r in evaluate.RolloutEvaluation("g", prompts, 8, stop=()).result(ev, ev.tokenizer).records]
+    assert all(len(text) >= 3 for text in full), full
+    cut = lambda text, stop: text[:text.index(stop)]  # at the first occurrence
+    stop, until = full[0][1], full[1][1:3]  # both occur in those texts
+    lines = [{**prompts[0], "answer": cut(full[0], stop)},  # the --stop strings
+             {**prompts[1], "until": [until, "never"], "answer": cut(full[1], until)},  # its own
+             {**prompts[2], "until": [], "answer": full[2]},  # none at all
+             {**prompts[3], "answer": "no"}]
+    data = write_jsonl(tmp_path / "gen.jsonl", lines)
+    cfg = jobs.parse_options(evaluate.EvaluatorConfig, ["--data", f"gen:{data}", "--stop", "never",
+                                                        "--stop", stop, "--stop", "", "--max-new-tokens", "8"])
+    ev = evaluator(small, None, data=cfg.data, stop=cfg.stop, max_new_tokens=cfg.max_new_tokens)
+    records = ev.evaluations[0].result(ev, ev.tokenizer, **ev.decoding()).records
+    assert [r["output"] for r in records] == [line["answer"] for line in lines[:3]] + [
+        evaluate.cut_at_stop(full[3], [stop])]
+    assert [r["score"] for r in records[:3]] == [1.0, 1.0, 1.0] and len(records[0]["output"]) < len(full[0])
+    for bad in ('{"prompt": "a", "answer": "b", "until": "x"}', '{"prompt": "a", "answer": "b", "until": [1]}'):
+        with pytest.raises(UsageError, match="f.jsonl:3: 'until' must be a list of strings"):
+            evaluate.check_sample("gen", bad.encode(), "f.jsonl:3")
+
+
 # ---- HuggingFace backbones: parity with transformers' PyTorch models
 
 try:
