@@ -1320,7 +1320,7 @@ def test_bos_adding_tokenizer_follows_lm_eval_except_its_double_bos(workdir, tmp
     tok.post_processor = processors.TemplateProcessing(single=f"{EOT} $A", pair=f"{EOT} $A $B",
                                                        special_tokens=[(EOT, bos)])
     tok.save(os.path.join(bos_dir, "tokenizer.json"))
-    samples = run_lm_eval(bos_dir, task_dir, ["ours_mc"])
+    samples = run_lm_eval(bos_dir, task_dir, ["ours_mc", "ours_ppl"])
     ev = our_evaluator(bos_dir)
     assert ev.tokenizer.encode("Hello")[0] == bos  # the tokenizer really adds BOS
     mc = evaluate.MultipleChoiceEvaluation("mc", LM_MC).result(ev, ev.tokenizer)
@@ -1329,6 +1329,16 @@ def test_bos_adding_tokenizer_follows_lm_eval_except_its_double_bos(workdir, tmp
     ppl = evaluate.PerplexityEvaluation("ppl", LM_DOCS).result(ev, ev.tokenizer)
     plain = evaluate.PerplexityEvaluation("ppl", LM_DOCS).result(our_evaluator(model_dir), ev.tokenizer)
     assert [r["nll"] for r in ppl.records] == [r["nll"] for r in plain.records]  # BOS once, not twice
+    # lm-eval's rolling log-likelihoods are exactly ours with its extra BOS: the document encoded
+    # with the tokenizer's BOS, after the prefix BOS; without it, ours differ from them
+    theirs = [float(s["filtered_resps"][0]) for s in samples["ours_ppl"]]
+    doubled = [sum(s.logprob for s in windows)
+               for windows in ev.loglikelihood_rolling(ev.tokenizer.encode(d["text"]) for d in LM_DOCS)]
+    np.testing.assert_allclose(doubled, theirs, rtol=1e-5)
+    differences = [rel(-r["nll"], t) for r, t in zip(ppl.records, theirs)]
+    assert min(differences) > 1e-3
+    print(f"#3333: lm-eval vs ours with its double BOS: max rel {max(map(rel, doubled, theirs)):.1e}; "
+          f"vs ours: {min(differences):.1e} to {max(differences):.1e}")
 
 
 # ---- bench.py: it runs and its own checks hold (speed itself is never asserted)
