@@ -962,7 +962,7 @@ def hf_evaluate_importable() -> Iterator[None]:
 
 
 def task_manager(names: List[str], include_path: Optional[str]) -> Any:
-    """lm-eval's index of tasks. Indexing its 14,683 built-in task files takes 10-25 s, so when
+    """lm-eval's index of tasks. Indexing its 14,683 built-in task files takes 7-25 s, so when
     --include-path defines every task asked for, only that directory is indexed (its task
     would win over a built-in one of the same name anyway).
 
