@@ -15,6 +15,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -30,6 +31,7 @@ os.environ.setdefault("XLA_FLAGS",
                       "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
 os.environ["HF_DATASETS_OFFLINE"] = "1"  # nothing is ever downloaded
 os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["DISABLE_MULTIPROC"] = "1"  # lm-eval's bootstrap stderrs without fork() in a JAX process
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import flax.linen as nn
@@ -749,6 +751,33 @@ def test_trainer_learns_and_evaluates_through_from_trainer(tmp_path):
     assert config_json["step"] == 30 and model == trainer.model
 
 
+def test_gen_stop_strings_per_line_and_from_the_command_line(small, tmp_path):
+    """--stop (repeatable, escapes, '' for none) and a line's own "until" cut the generated text
+    at the first stop string, as lm-eval's generate_until does."""
+    assert evaluate.stop_strings(["\\n", "", "a\\tb", "\\\\n", "."]) == ("\n", "a\tb", "\\n", ".")
+    prompts = [{"prompt": p, "answer": ""} for p in ("12+3", "the", "ab", "x")]
+    ev = evaluator(small, [])
+    full = [r["output"] for r in evaluate.RolloutEvaluation("g", prompts, 8, stop=()).result(ev, ev.tokenizer).records]
+    assert all(len(text) >= 3 for text in full), full
+    cut = lambda text, stop: text[:text.index(stop)]  # at the first occurrence
+    stop, until = full[0][1], full[1][1:3]  # both occur in those texts
+    lines = [{**prompts[0], "answer": cut(full[0], stop)},  # the --stop strings
+             {**prompts[1], "until": [until, "never"], "answer": cut(full[1], until)},  # its own
+             {**prompts[2], "until": [], "answer": full[2]},  # none at all
+             {**prompts[3], "answer": "no"}]
+    data = write_jsonl(tmp_path / "gen.jsonl", lines)
+    cfg = jobs.parse_options(evaluate.EvaluatorConfig, ["--data", f"gen:{data}", "--stop", "never",
+                                                        "--stop", stop, "--stop", "", "--max-new-tokens", "8"])
+    ev = evaluator(small, None, data=cfg.data, stop=cfg.stop, max_new_tokens=cfg.max_new_tokens)
+    records = ev.evaluations[0].result(ev, ev.tokenizer, **ev.decoding()).records
+    assert [r["output"] for r in records] == [line["answer"] for line in lines[:3]] + [
+        evaluate.cut_at_stop(full[3], [stop])]
+    assert [r["score"] for r in records[:3]] == [1.0, 1.0, 1.0] and len(records[0]["output"]) < len(full[0])
+    for bad in ('{"prompt": "a", "answer": "b", "until": "x"}', '{"prompt": "a", "answer": "b", "until": [1]}'):
+        with pytest.raises(UsageError, match="f.jsonl:3: 'until' must be a list of strings"):
+            evaluate.check_sample("gen", bad.encode(), "f.jsonl:3")
+
+
 # ---- HuggingFace backbones: parity with transformers' PyTorch models
 
 try:
@@ -1327,12 +1356,12 @@ LM_GEN = [{"prompt": t[: len(t) // 2], "answer": t[len(t) // 2:]} for t in TEXTS
 ]
 
 
-def make_gpt2(out_dir, seed=0):
+def make_gpt2(out_dir, seed=0, positions=CONTEXT):
     """A random tiny GPT-2 (initializer_range 0.2 and perturbed biases: peaked, untied scores)."""
     from transformers import GPT2Config, GPT2LMHeadModel
     eot = train_tokenizer(out_dir).token_to_id(EOT)
     torch.manual_seed(seed)
-    config = GPT2Config(vocab_size=VOCAB, n_positions=CONTEXT, n_embd=64, n_layer=2, n_head=4, n_inner=96,
+    config = GPT2Config(vocab_size=VOCAB, n_positions=positions, n_embd=64, n_layer=2, n_head=4, n_inner=96,
                         bos_token_id=eot, eos_token_id=eot, initializer_range=0.2)
     model = GPT2LMHeadModel(config)
     with torch.no_grad():
@@ -1512,7 +1541,7 @@ def test_bos_adding_tokenizer_follows_lm_eval_except_its_double_bos(workdir, tmp
     tok.post_processor = processors.TemplateProcessing(single=f"{EOT} $A", pair=f"{EOT} $A $B",
                                                        special_tokens=[(EOT, bos)])
     tok.save(os.path.join(bos_dir, "tokenizer.json"))
-    samples = run_lm_eval(bos_dir, task_dir, ["ours_mc"])
+    samples = run_lm_eval(bos_dir, task_dir, ["ours_mc", "ours_ppl"])
     ev = our_evaluator(bos_dir)
     assert ev.tokenizer.encode("Hello")[0] == bos  # the tokenizer really adds BOS
     mc = evaluate.MultipleChoiceEvaluation("mc", LM_MC).result(ev, ev.tokenizer)
@@ -1521,6 +1550,405 @@ def test_bos_adding_tokenizer_follows_lm_eval_except_its_double_bos(workdir, tmp
     ppl = evaluate.PerplexityEvaluation("ppl", LM_DOCS).result(ev, ev.tokenizer)
     plain = evaluate.PerplexityEvaluation("ppl", LM_DOCS).result(our_evaluator(model_dir), ev.tokenizer)
     assert [r["nll"] for r in ppl.records] == [r["nll"] for r in plain.records]  # BOS once, not twice
+    # lm-eval's rolling log-likelihoods are exactly ours with its extra BOS: the document encoded
+    # with the tokenizer's BOS, after the prefix BOS; without it, ours differ from them
+    theirs = [float(s["filtered_resps"][0]) for s in samples["ours_ppl"]]
+    doubled = [sum(s.logprob for s in windows)
+               for windows in ev.loglikelihood_rolling(ev.tokenizer.encode(d["text"]) for d in LM_DOCS)]
+    np.testing.assert_allclose(doubled, theirs, rtol=1e-5)
+    differences = [rel(-r["nll"], t) for r, t in zip(ppl.records, theirs)]
+    assert min(differences) > 1e-3
+    print(f"#3333: lm-eval vs ours with its double BOS: max rel {max(map(rel, doubled, theirs)):.1e}; "
+          f"vs ours: {min(differences):.1e} to {max(differences):.1e}")
+
+
+# ---- the lm-eval backend: lm-eval's own tasks on our model, against lm-eval's HF model (offline)
+# Local task YAMLs `include:` the installed ones (their prompts, process_docs, filters and
+# metrics are lm-eval's own) and point them at JSONL data written here, in the real datasets'
+# shapes. One run of each side over every task answers all the parity tests below.
+
+HARNESS_CONTEXT = 128  # room for few-shot prompts
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+WORDS = ("the cat sat on the mat and the dog saw a bird in the tree near the old house while "
+         "children played quietly numbers like 12 345 and 6789 appear too").split()
+BOOTSTRAP = 1000  # lm-eval's bootstrap stderrs (perplexities): both sides, fewer resamples than 100000
+
+
+def sentence(i, n=12):
+    return " ".join(WORDS[(i * 7 + k * 3) % len(WORDS)] for k in range(n))
+
+
+def hellaswag_docs(n, offset=0):
+    """Rowan/hellaswag rows (lm-eval's process_docs builds query, choices and gold from them)."""
+    return [{"ind": i, "activity_label": ["Cooking", "Sports", "Home [title] tips"][i % 3],
+             "ctx_a": sentence(i, 8) + ".", "ctx_b": sentence(i + 1, 3), "ctx": "",
+             "endings": [sentence(i + k, 4 + k) + "." for k in range(4)], "source_id": f"s{i}",
+             "split": "val", "split_type": "indomain", "label": str(i % 4)} for i in range(offset, offset + n)]
+
+
+def arc_docs(n, offset=0):
+    """allenai/ai2_arc rows: 3 or 4 choices, labelled A-D or 1-4."""
+    docs = []
+    for i in range(offset, offset + n):
+        k = 3 + i % 2
+        labels = list("ABCD")[:k] if i % 3 else [str(j + 1) for j in range(k)]
+        docs.append({"id": f"q{i}", "question": sentence(i, 6) + "?", "answerKey": labels[i % k],
+                     "choices": {"text": [sentence(i + j, 2 + j % 3) for j in range(k)], "label": labels}})
+    return docs
+
+
+def lambada_docs(model, tokenizer, n):
+    """EleutherAI/lambada_openai rows. Half end in the model's own greedy next word, so that
+    lm-eval's acc (the continuation is the argmax) is 1 on some documents and 0 on others."""
+    greedy, plain = [], []
+    for i in range(200):
+        context = sentence(i, 6 + i % 5)
+        with torch.no_grad():
+            logits = model(torch.tensor([tokenizer.encode(context)])).logits[0, -1]
+        word = tokenizer.decode([int(logits.argmax())])
+        if len(greedy) < n // 2 and re.fullmatch(r" [A-Za-z]+", word):
+            greedy.append({"text": context + word})
+        elif len(plain) < n - n // 2:
+            plain.append({"text": context + " " + WORDS[i % len(WORDS)]})
+    assert len(greedy) == n // 2, "too few contexts whose greedy next token is a word"
+    return greedy + plain
+
+
+def wikitext_docs(n):
+    """EleutherAI/wikitext_document_level rows (wikitext markup, detokenized by lm-eval);
+    the longer ones need several rolling windows."""
+    base = (" = Title = \n The cat @-@ dog sat on the mat , and 1 @,@ 000 birds ( many ) sang . \n"
+            " It was the year 1 @.@ 5 ; nobody knew . \n")
+    return [{"page": base * (1 + 3 * i) + sentence(i, 20)} for i in range(n)]
+
+
+def gsm8k_docs(n, offset=0, answers=None):
+    """openai/gsm8k rows: "#### " and the sum, or one of `answers` (numbers this model writes:
+    a random model solves nothing, but its digits sometimes match)."""
+    return [{"question": f"Tom has {3 + i} apples and buys {10 + 2 * i} more. How many apples?",
+             "answer": f"He has {3 + i} + {10 + 2 * i} apples.\n#### "
+                       f"{answers[i % len(answers)] if answers else 13 + 3 * i}"}
+            for i in range(offset, offset + n)]
+
+
+def write_lm_task(task_dir, data_dir, name, splits, **fields):
+    """A task YAML (JSON is YAML) over local JSONL files, one per split: dataset_path json,
+    data_files, and dataset_name null (else the included config name, e.g. ARC-Easy, would be
+    taken for a json builder config)."""
+    files = {split: str(write_jsonl(Path(data_dir) / f"{name}_{split}.jsonl", rows)) for split, rows in splits.items()}
+    config = {"task": name, "dataset_path": "json", "dataset_name": None,
+              "dataset_kwargs": {"data_files": files, "cache_dir": str(Path(data_dir) / "cache")}, **fields}
+    (Path(task_dir) / f"{name}.yaml").write_text(json.dumps(config, indent=1))
+
+
+def write_harness_tasks(task_dir, data_dir, stand_in, model, tokenizer, n=6):
+    """Local tasks in the shapes of lm-eval's hellaswag, arc_easy, lambada_openai, wikitext and
+    gsm8k (0-shot and 2-shot), a sampled gsm8k, and a task importing HuggingFace's `evaluate`."""
+    installed = Path(lm_eval.__file__).parent / "tasks"
+    include = lambda path: {"include": str(installed / path)}
+    write_lm_task(task_dir, data_dir, "local_hellaswag", {"train": hellaswag_docs(4, 100),
+                  "validation": hellaswag_docs(n)}, **include("hellaswag/hellaswag.yaml"))
+    write_lm_task(task_dir, data_dir, "local_arc_easy", {"train": arc_docs(4, 100), "validation": arc_docs(2, 200),
+                  "test": arc_docs(n)}, num_fewshot=2, **include("arc/arc_easy.yaml"))
+    write_lm_task(task_dir, data_dir, "local_lambada", {"test": lambada_docs(model, tokenizer, n)},
+                  **include("lambada/lambada_openai.yaml"))
+    write_lm_task(task_dir, data_dir, "local_wikitext", {"train": wikitext_docs(2), "validation": wikitext_docs(2),
+                  "test": wikitext_docs(4)}, **include("wikitext/wikitext.yaml"))
+    write_lm_task(task_dir, data_dir, "local_gsm8k", {"train": gsm8k_docs(4, 100),
+                  "test": gsm8k_docs(n, answers=[34, 7, 1, 9, 5, 2])},
+                  num_fewshot=2, generation_kwargs={"until": ["Question:", "</s>", "<|im_end|>", "ces"],
+                                                    "do_sample": False, "max_gen_toks": 24},
+                  **include("gsm8k/gsm8k.yaml"))
+    variants = {"local_hellaswag_2shot": {"include": "local_hellaswag.yaml", "num_fewshot": 2},
+                "local_gsm8k_sampled": {"include": "local_gsm8k.yaml", "num_fewshot": 0, "repeats": 2,
+                                        "generation_kwargs": {"until": ["Question:"], "do_sample": True,
+                                                              "temperature": 0.8, "top_p": 0.9,
+                                                              "max_gen_toks": 16}}}
+    for name, fields in variants.items():  # includes relative to this directory
+        (Path(task_dir) / f"{name}.yaml").write_text(json.dumps({"task": name, **fields}))
+    write_clash_task(task_dir, data_dir, stand_in)
+
+
+def write_clash_task(task_dir, data_dir, stand_in):
+    """What some of lm-eval's tasks do (squad_v2, mbpp, ...): their utils.py imports
+    HuggingFace's `evaluate` package. It scores 1 when that import gave the package, not our
+    file. The package is played by a stand-in in directory `stand_in`, put on the path before
+    site-packages: importing the real one takes about 10 s (it loads transformers' pipelines)."""
+    package = Path(stand_in) / "evaluate"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text('"""Stands in for HuggingFace\'s evaluate."""\n\n\ndef load(path):\n'
+                                         '    return path\n')
+    (Path(task_dir) / "clash_utils.py").write_text(
+        "import evaluate\n\n\ndef process_results(doc, results):\n"
+        "    return {'acc': float(callable(getattr(evaluate, 'load', None)))}\n")
+    data = write_jsonl(Path(data_dir) / "clash.jsonl", [{"q": "2 + 2 =", "a": " 4"}, {"q": "1 + 1 =", "a": " 2"}])
+    (Path(task_dir) / "local_hf_evaluate.yaml").write_text(
+        "task: local_hf_evaluate\ndataset_path: json\ndataset_name: null\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\noutput_type: loglikelihood\n"
+        "doc_to_text: q\ndoc_to_target: a\nprocess_results: !function clash_utils.process_results\n"
+        "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n")
+
+
+PARITY_TASKS = ["local_hellaswag", "local_hellaswag_2shot", "local_arc_easy", "local_lambada", "local_wikitext",
+                "local_gsm8k"]
+OURS_ONLY = ["local_gsm8k_sampled", "local_hf_evaluate"]
+CHAT_TASKS = ["local_hellaswag", "local_arc_easy", "local_lambada", "local_gsm8k"]  # 0-shot and 2-shot as turns
+VARIANTS = [("plain", PARITY_TASKS, OURS_ONLY, False), ("chat", CHAT_TASKS, [], True)]  # lm-eval's, ours too, chat
+CLI_TASKS = ["local_lambada", "local_wikitext", "local_gsm8k", "local_hf_evaluate"]  # the three request types
+
+
+def harness_config(task_dir, tasks, chat):
+    return evaluate.EvaluatorConfig(tasks=",".join(tasks), include_path=task_dir, apply_chat_template=chat,
+                                    log_samples=True, batch_size=4, quiet=True, bootstrap_iters=BOOTSTRAP)
+
+
+def run_ours(ev, cfg):
+    """Our backend through Evaluator.evaluate_tasks, as the command line runs it. One evaluator
+    serves every variant (as one process would), so each shape compiles once."""
+    ev.cfg = cfg
+    return ev.evaluate_tasks(evaluate.JaxLM(ev, seed=cfg.seed))
+
+
+def run_hflm(hflm, task_dir, tasks, chat=False):
+    """lm-eval's own HF model on the same tasks, with the options our command line passes."""
+    from lm_eval.tasks import TaskManager
+    return lm_eval.simple_evaluate(model=hflm, tasks=tasks, log_samples=True, bootstrap_iters=BOOTSTRAP,
+                                   task_manager=TaskManager(include_path=task_dir, include_defaults=False),
+                                   apply_chat_template=chat, fewshot_as_multiturn=chat, fewshot_random_seed=1234)
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory):
+    """({variant: (lm-eval's results, ours)} for "plain" and "chat", the model directory, the
+    task directory, the directory of the stand-in `evaluate` package)."""
+    if torch is None or lm_eval is None:
+        pytest.skip("needs torch and lm-eval")
+    from lm_eval.models.huggingface import HFLM
+    root = tmp_path_factory.mktemp("harness")
+    model_dir, task_dir, data_dir, stand_in = (str(root / d) for d in ("model", "tasks", "data", "site"))
+    for d in (task_dir, data_dir):
+        os.makedirs(d)
+    model = make_gpt2(model_dir, positions=HARNESS_CONTEXT)
+    Path(model_dir, "chat_template.jinja").write_text(CHAT_TEMPLATE)  # where transformers reads it from
+    write_harness_tasks(task_dir, data_dir, stand_in, model, load_tokenizer(model_dir))
+    sys.path.insert(0, stand_in)  # where `import evaluate` goes once past our evaluate.py
+    hflm = HFLM(pretrained=model_dir, dtype="float32", batch_size=4, device="cpu")
+    jax_model, host = load_backbone(model_dir)
+    ev = evaluate.Evaluator.from_parts(jobs.ExecutionSpec(name="lmeval"), jax_model,
+                                       gpt.place_params(jax_model, mesh_of(), host), HFTokenizer(model_dir),
+                                       mesh_of(), [])
+    seconds, runs = {}, {}
+    for variant, tasks, ours_too, chat in VARIANTS:
+        started = time.time()
+        theirs = run_hflm(hflm, task_dir, tasks, chat)
+        middle = time.time()
+        ours = run_ours(ev, harness_config(task_dir, tasks + ours_too, chat))
+        seconds[variant] = (middle - started, time.time() - middle)
+        runs[variant] = (theirs, ours)
+    print("\n" + ", ".join(f"{v}: lm-eval hf {a:.1f}s, ours {b:.1f}s" for v, (a, b) in seconds.items()))
+    yield runs, model_dir, task_dir, stand_in
+    sys.path.remove(stand_in)
+
+
+def responses(sample):
+    """A sample's model responses, one per request and repeat: (logprob, is_greedy), a logprob, or a text."""
+    return [response for request in sample["resps"] for response in request]
+
+
+def logprob_and_greedy(response):
+    """(logprob, is_greedy) of a loglikelihood response, (logprob, None) of a rolling one."""
+    return (response, None) if isinstance(response, float) else tuple(response)
+
+
+def compare_samples(theirs, ours):
+    """One task's samples, request by request: log-likelihoods within 1e-4 relative (their worst
+    relative difference is returned), everything else identical: prompts, is_greedy, texts,
+    filtered answers, per-sample metrics."""
+    key = lambda s: (s["doc_id"], s["filter"])
+    theirs, ours = sorted(theirs, key=key), sorted(ours, key=key)
+    assert [key(s) for s in theirs] == [key(s) for s in ours]
+    worst = 0.0
+    for t, o in zip(theirs, ours):
+        assert t["arguments"] == o["arguments"] and t["target"] == o["target"]  # same prompts and shots
+        for a, b in zip(responses(t) + t["filtered_resps"], responses(o) + o["filtered_resps"]):
+            if isinstance(a, str):
+                assert a == b, (t["doc_id"], a, b)
+                continue
+            (a, greedy_a), (b, greedy_b) = logprob_and_greedy(a), logprob_and_greedy(b)
+            assert greedy_a == greedy_b, t["doc_id"]
+            worst = max(worst, rel(b, a))
+        for metric in t["metrics"]:
+            np.testing.assert_allclose(np.asarray(o[metric], float), np.asarray(t[metric], float), rtol=1e-4)
+    assert worst < 1e-4
+    return worst
+
+
+def assert_same_scores(theirs, ours, task, rtol=1e-4):
+    """Aggregate scores and their stderrs of one task ("N/A" stderrs alike)."""
+    assert ours["results"][task].keys() == theirs["results"][task].keys()
+    for key, value in theirs["results"][task].items():
+        if isinstance(value, float):
+            np.testing.assert_allclose(ours["results"][task][key], value, rtol=rtol, err_msg=f"{task} {key}")
+        else:
+            assert ours["results"][task][key] == value, (task, key)
+    assert ours["n-shot"][task] == theirs["n-shot"][task] and ours["n-samples"][task] == theirs["n-samples"][task]
+
+
+@needs_lm_eval
+def test_lm_eval_tasks_match_lm_evals_hf_model(harness):
+    runs = harness[0]
+    for variant, (theirs, ours) in runs.items():
+        worst = {}
+        for task in theirs["samples"]:
+            worst[task] = compare_samples(theirs["samples"][task], ours["samples"][task])
+            assert_same_scores(theirs, ours, task)
+        print(f"{variant}: max relative log-likelihood difference per task "
+              + ", ".join(f"{t} {w:.1e}" for t, w in worst.items()))
+    assert {runs["plain"][1]["n-shot"][t] for t in PARITY_TASKS} == {0, 2}
+
+
+@needs_lm_eval
+def test_lm_eval_tasks_are_not_trivial(harness):
+    """The parity above means something: scores differ between documents, some greedy
+    continuations match, generations are texts, some cut at a stop string, some numbers found."""
+    samples = harness[0]["plain"][1]["samples"]
+    for task, metric in [("local_hellaswag", "acc_norm"), ("local_arc_easy", "acc"), ("local_lambada", "acc"),
+                         ("local_gsm8k", "exact_match")]:
+        assert len({s[metric] for s in samples[task]}) == 2, (task, metric)  # some 0, some 1
+    texts = [responses(s)[0] for s in samples["local_gsm8k"] if s["filter"] == "flexible-extract"]
+    assert all(texts) and len(set(texts)) == len(texts)
+    tokenizer = load_tokenizer(harness[1])
+    assert any(len(tokenizer.encode(t)) < 20 for t in texts)  # cut by a stop string (24 tokens otherwise)
+    assert {s["filtered_resps"][0] for s in samples["local_gsm8k"]} > {"[invalid]"}
+
+
+@needs_lm_eval
+def test_lm_eval_sampling_and_tasks_importing_hf_evaluate(harness):
+    ours = harness[0]["plain"][1]
+    sampled = [responses(s) for s in ours["samples"]["local_gsm8k_sampled"]]
+    assert all(len(texts) == 2 for texts in sampled)  # repeats: 2
+    assert any(a != b for a, b in sampled)  # each repeat draws its own sample
+    # a task's `import evaluate` got HuggingFace's package, and our module is ours again
+    assert ours["results"]["local_hf_evaluate"]["acc,none"] == 1.0
+    assert sys.modules["evaluate"] is evaluate
+
+
+def assert_close_values(a, b, rtol):
+    """Nested lists of strings: numbers within rtol, anything else identical."""
+    if isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_close_values(x, y, rtol)
+        return
+    try:
+        np.testing.assert_allclose(float(b), float(a), rtol=rtol)
+    except ValueError:
+        assert a == b
+
+
+@needs_lm_eval
+def test_lm_eval_tasks_on_two_processes_over_a_4x2_mesh(harness, tmp_path):
+    """The command line as two processes of 4 devices, one 4x2 mesh over both: every answer as
+    on one device, a task importing HuggingFace's `evaluate` works when evaluate.py is the
+    script, only process 0 writes, lm-eval's make_table reads our results file, and
+    results.json gains the tasks' scores."""
+    from lm_eval.loggers.evaluation_tracker import GeneralConfigTracker
+    from lm_eval.utils import make_table
+    runs, model_dir, task_dir, stand_in = harness
+    theirs, ours = runs["plain"]
+    out, port = tmp_path / "out", free_port()
+    args = ["--ckpt", model_dir, "--tasks", ",".join(CLI_TASKS), "--include-path", task_dir,
+            "--log-samples", "--bootstrap-iters", BOOTSTRAP, "--mesh", "4x2", "--out", out, "--quiet",
+            "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "PYTHONPATH": stand_in}
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "evaluate.py"), *map(str, args), "--process-id", str(i)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-3000:]
+    summary = json.loads((out / "results.json").read_text())
+    files = summary["lm_eval"]
+    written = json.loads((out / files["results"]).read_text())
+    # lm-eval's own results file: the keys its EvaluationTracker writes, read by its make_table
+    expected = (set(theirs) - {"samples"}) | {"task_hashes"} | set(dataclasses.asdict(GeneralConfigTracker()))
+    assert set(written) == expected
+    table = make_table(written)
+    assert all(task in table for task in CLI_TASKS)
+    key = lambda s: (s["doc_id"], s["filter"])
+    for task in CLI_TASKS:
+        assert_same_scores(ours, written, task, rtol=1e-5)
+        lines = sorted((json.loads(line) for line in (out / files["samples"][task]).read_text().splitlines()), key=key)
+        expected_lines = sorted((json.loads(evaluate.sample_line(s)) for s in ours["samples"][task]), key=key)
+        assert [key(s) for s in lines] == [key(s) for s in expected_lines]
+        for line, reference in zip(lines, expected_lines):
+            assert line["arguments"] == reference["arguments"]
+            assert_close_values(line["resps"], reference["resps"], rtol=1e-5)
+            assert_close_values(line["filtered_resps"], reference["filtered_resps"], rtol=1e-5)
+    assert written["results"]["local_hf_evaluate"]["acc,none"] == 1.0  # evaluate.py as the script
+    # results.json: our format, the tasks' scores under "<task>/<metric>,<filter>"
+    name = "local_lambada/acc,none"
+    assert summary["results"][name] == written["results"]["local_lambada"]["acc,none"]
+    assert summary["stderr"][name] == written["results"]["local_lambada"]["acc_stderr,none"]
+    assert summary["kind"][name] == "lm-eval" and summary["higher_is_better"][name] is True
+    assert summary["higher_is_better"]["local_wikitext/word_perplexity,none"] is False
+    assert summary["n_samples"]["local_gsm8k/exact_match,strict-match"] == 6
+    assert summary["processes"] == 2 and summary["mesh"] == {"batch": 4, "shard": 2}
+    assert sorted(p.name for p in out.iterdir()) == ["lm_eval", "results.json", "samples.jsonl"]
+
+
+@needs_lm_eval
+def test_lm_eval_bad_options_and_tasks_fail_clearly(small, tmp_path, monkeypatch):
+    for fields, needle in [(dict(tasks="x", num_fewshot=-1), "--num-fewshot must be"),
+                           (dict(tasks="x", include_path=str(tmp_path / "absent")), "is not a directory"),
+                           (dict(num_fewshot=2), "--num-fewshot applies to lm-eval tasks only"),
+                           (dict(apply_chat_template=True), "--apply-chat-template applies"),
+                           (dict(tasks=" , "), "names no task"),
+                           (dict(tasks="x", bootstrap_iters=-1), "--bootstrap-iters")]:
+        with pytest.raises(UsageError, match=needle):
+            evaluate.EvaluatorConfig(**fields).validate()
+    from lm_eval.tasks import TaskManager
+    # only the local index, so that the test does not wait for lm-eval's 14,683 built-in tasks
+    monkeypatch.setattr(evaluate, "task_manager",
+                        lambda names, path: TaskManager(include_path=path, include_defaults=False))
+    ev = evaluator(small, [], tasks="nope", include_path=str(tmp_path))
+    with pytest.raises(UsageError, match="'nope' is not an lm-eval task"):
+        ev.evaluate_tasks(evaluate.JaxLM(ev))
+    ev = evaluator(small, [], tasks="nope", apply_chat_template=True)
+    with pytest.raises(UsageError, match="no chat template"):  # a byte tokenizer has none
+        ev.evaluate_tasks(evaluate.JaxLM(ev))
+    lm = evaluate.JaxLM(ev)
+    with pytest.raises(UsageError, match="num_beams"):
+        lm.decoding({"until": ["\n"], "num_beams": 4})
+    with pytest.raises(UsageError, match="64 new tokens"):  # lm-eval's HF model would assert
+        lm.decoding({"until": ["\n"], "max_gen_toks": 64})
+
+
+def test_tasks_without_lm_eval_fail_with_one_line(ckpt, tmp_path):
+    """Without lm-eval (here an lm_eval that fails to import, first on the path), evaluate.py
+    still loads, and --tasks says in one line what to install."""
+    fake = tmp_path / "site" / "lm_eval"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('No module named lm_eval')\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site"), "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "evaluate.py"), "--ckpt", str(ckpt), "--tasks", "hellaswag",
+                           "--out", str(tmp_path / "o")], capture_output=True, text=True, env=env)
+    assert_usage_error(proc, "--tasks", "pip install lm-eval==0.4.13", out=tmp_path / "o")
+
+
+@needs_lm_eval
+def test_jaxlm_answers_as_our_own_kinds(small):
+    """lm-eval's requests through JaxLM give what our own kinds compute for the same texts,
+    here with the byte tokenizer (no transformers tokenizer, no text for its special tokens)."""
+    ev = evaluator(small, [])
+    lm = evaluate.JaxLM(ev)
+    request = lambda *args: types.SimpleNamespace(args=args)  # what JaxLM reads of lm-eval's Instance
+    mc = evaluate.MultipleChoiceEvaluation("mc", MC).result(ev, ev.tokenizer).records
+    answers = lm.loglikelihood([request(m["context"], c) for m in MC for c in m["choices"]])
+    assert [ll for ll, _ in answers] == [ll for r in mc for ll in r["loglik"]]
+    gen = evaluate.RolloutEvaluation("gen", GEN, max_new_tokens=6).result(ev, ev.tokenizer).records
+    texts = lm.generate_until([request(g["prompt"], {"until": ["\n"], "max_gen_toks": 6}) for g in GEN])
+    assert texts == [r["output"] for r in gen] and any(texts)
 
 
 # ---- bench.py: it runs and its own checks hold (speed itself is never asserted)
