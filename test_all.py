@@ -11,6 +11,7 @@ reason where they are missing.
 import ast
 import copy
 import dataclasses
+import atexit
 import functools
 import hashlib
 import json
@@ -21,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import types
 from pathlib import Path
@@ -33,6 +35,12 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"  # nothing is ever downloaded
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["DISABLE_MULTIPROC"] = "1"  # lm-eval's bootstrap stderrs without fork() in a JAX process
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One persistent compilation cache for the suite and every process it starts: the same tiny
+# programs compile once, not once per command-line run (the suite only; the project sets none)
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="gpt-eval-test-jax-cache-"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 import flax.linen as nn
 import jax
@@ -622,9 +630,16 @@ def test_checkpoint_round_trip(small, tmp_path):
                                restored.apply(variables, idx, deterministic=True)[0], atol=1e-4)
 
 
+def child_env(devices, **changes):
+    """The environment of a process the suite starts: `devices` simulated CPU devices and,
+    as in this process, XLA's quick compilation (tiny programs compile 2x faster)."""
+    flags = f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0"
+    return {**os.environ, "XLA_FLAGS": flags, **changes}
+
+
 def cli(*args, devices=2, timeout=300):
     """`python evaluate.py ARGS` in a fresh process with `devices` simulated CPU devices."""
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    env = child_env(devices)
     return subprocess.run([sys.executable, str(ROOT / "evaluate.py"), *map(str, args)],
                           capture_output=True, text=True, env=env, timeout=timeout)
 
@@ -687,7 +702,7 @@ def test_cli_malformed_line_names_file_and_line(tiny_ckpt, tmp_path):
     assert not (tmp_path / "o" / "results.json").exists()
 
 
-def test_registry_and_jobs_cli():
+def test_registry_and_jobs_cli(capsys):
     assert {"gpt/evaluate", "backbone/evaluate", "gpt/train/pretrain"} <= set(jobs.JOBS)
     assert jobs.JOBS["gpt/evaluate"] is evaluate.Evaluate
     # `python jobs.py KEY` finds each job through ENTRY_POINTS: the table says what @job says
@@ -704,8 +719,8 @@ def test_registry_and_jobs_cli():
     for args, needle in [(["nope/job"], "unknown job"), (["gpt/train/pretrain", "--stepz", "3"], "--stepz"),
                          (["gpt/train/pretrain", "--steps", "three"], "must be int"),
                          (["gpt/train/pretrain", "--steps", "0"], "--steps")]:
-        proc = subprocess.run([sys.executable, str(ROOT / "jobs.py"), *args], capture_output=True, text=True)
-        assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr
+        assert jobs.main(args) == 2  # what `python jobs.py ARGS` exits with
+        assert needle in capsys.readouterr().err
 
 
 PROJECT_FILES = {"gpt": 0, "jobs": 1, "hf": 2, "evaluate": 3, "train": 4, "bench": 4}  # import order
@@ -1861,7 +1876,7 @@ def test_lm_eval_tasks_on_two_processes_over_a_4x2_mesh(harness, tmp_path):
     args = ["--ckpt", model_dir, "--tasks", ",".join(CLI_TASKS), "--include-path", task_dir,
             "--log-samples", "--bootstrap-iters", BOOTSTRAP, "--mesh", "4x2", "--out", out, "--quiet",
             "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "PYTHONPATH": stand_in}
+    env = child_env(4, PYTHONPATH=stand_in)
     procs = [subprocess.Popen([sys.executable, str(ROOT / "evaluate.py"), *map(str, args), "--process-id", str(i)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
     for p in procs:
@@ -1930,7 +1945,7 @@ def test_tasks_without_lm_eval_fail_with_one_line(ckpt, tmp_path):
     fake = tmp_path / "site" / "lm_eval"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("raise ImportError('No module named lm_eval')\n")
-    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site"), "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = child_env(1, PYTHONPATH=str(tmp_path / "site"))
     proc = subprocess.run([sys.executable, str(ROOT / "evaluate.py"), "--ckpt", str(ckpt), "--tasks", "hellaswag",
                            "--out", str(tmp_path / "o")], capture_output=True, text=True, env=env)
     assert_usage_error(proc, "--tasks", "pip install lm-eval==0.4.13", out=tmp_path / "o")
@@ -1959,7 +1974,8 @@ TINY_BENCH = ["--layers", "2", "--width", "64", "--heads", "4", "--vocab", "500"
 
 
 def bench(*args):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = child_env(1)
+    env.pop("JAX_COMPILATION_CACHE_DIR")  # bench counts compilations: none may come from a cache
     proc = subprocess.run([sys.executable, str(ROOT / "bench.py"), *TINY_BENCH, *args],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -2045,15 +2061,16 @@ print(json.dumps(outcomes))
 
 
 def driver_env(devices=1):
-    """`devices` CPU devices, and XLA's quick compilation (2x faster) as in this process."""
-    return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} "
-                                       "--xla_backend_optimization_level=0"}
+    return child_env(devices)
 
 
-def cli_many(*cases, devices=1):
+def cli_many(*cases, devices=1, compile_cache=True):
     """Run DRIVER over `cases` (each a list of arguments, or a step); one outcome (returncode,
-    stderr, seconds) per run, in order."""
+    stderr, seconds) per run, in order. compile_cache False: no persistent compilation cache
+    (a capped file size would fail its writes too)."""
     env = driver_env(devices)
+    if not compile_cache:
+        env.pop("JAX_COMPILATION_CACHE_DIR")
     cases = [case if isinstance(case, dict) else [str(a) for a in case] for case in cases]
     proc = subprocess.run([sys.executable, "-c", DRIVER], input=json.dumps(cases), capture_output=True, text=True,
                           env=env, cwd=ROOT, timeout=120 + 25 * len(cases))
@@ -2206,31 +2223,34 @@ def start_cli(*args):
     `cmd &` and nohup intend): so that the child takes Ctrl-C, this process must not ignore it."""
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a child execs with SIG_DFL
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = child_env(1)
     return subprocess.Popen([sys.executable, str(ROOT / "evaluate.py"), *map(str, args)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
-def test_interrupted_run_leaves_previous_results_or_none(ckpt, tmp_path, sig):
+PREVIOUS = b'{"results": {"earlier": 1.0}}\n'
+
+
+@pytest.mark.parametrize("sig,previous", [(signal.SIGINT, None), (signal.SIGKILL, PREVIOUS)],
+                         ids=["SIGINT-no-previous", "SIGKILL-previous"])
+def test_interrupted_run_leaves_previous_results_or_none(ckpt, tmp_path, sig, previous):
     out = tmp_path / "o"
     args = long_run_args(ckpt, tmp_path, out)
-    for previous in (None, b'{"results": {"earlier": 1.0}}\n'):
-        if previous is not None:
-            out.mkdir(exist_ok=True)
-            (out / "results.json").write_bytes(previous)
-        proc = start_cli(*args, "--force")
-        time.sleep(12)  # past start-up and compilation, midway through scoring
-        assert proc.poll() is None, proc.communicate()[1][-2000:]
-        proc.send_signal(sig)
-        _, err = proc.communicate(timeout=60)
-        if sig == signal.SIGINT:
-            assert proc.returncode == 130 and err.strip().splitlines()[-1].startswith("interrupted"), err
-            assert "Traceback" not in err
-        files = sorted(p.name for p in out.iterdir()) if out.exists() else []
-        assert files == ([] if previous is None else ["results.json"]), files  # no temporary left
-        if previous is not None:
-            assert (out / "results.json").read_bytes() == previous
+    if previous is not None:
+        out.mkdir()
+        (out / "results.json").write_bytes(previous)
+    proc = start_cli(*args, "--force")
+    time.sleep(12)  # past start-up and compilation, midway through scoring
+    assert proc.poll() is None, proc.communicate()[1][-2000:]
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    if sig == signal.SIGINT:
+        assert proc.returncode == 130 and err.strip().splitlines()[-1].startswith("interrupted"), err
+        assert "Traceback" not in err
+    files = sorted(p.name for p in out.iterdir()) if out.exists() else []
+    assert files == ([] if previous is None else ["results.json"]), files  # no temporary left
+    if previous is not None:
+        assert (out / "results.json").read_bytes() == previous
 
 
 def results_of(out):
@@ -2248,13 +2268,14 @@ def suite(tmp_path_factory):
 
 
 def test_same_scores_twice_and_on_every_mesh(ckpt, suite, tmp_path):
-    runs = {}
-    for name, mesh in [("a", "1x1"), ("b", "1x1"), ("c", "8x1"), ("d", "4x2"), ("e", "2x4")]:
-        devices = 1 if mesh == "1x1" else 8
-        proc = cli("--ckpt", ckpt, *suite, "--mesh", mesh, "--out", tmp_path / name, "--quiet",
-                   "--batch-size", "3", devices=devices)
+    run = lambda name, mesh: ["--ckpt", ckpt, *suite, "--mesh", mesh, "--out", tmp_path / name, "--quiet",
+                              "--batch-size", "3"]
+    for name in "ab":  # the same command in two fresh processes
+        proc = cli(*run(name, "1x1"), devices=1)
         assert proc.returncode == 0, proc.stderr[-2000:]
-        runs[name] = results_of(tmp_path / name)
+    meshes = cli_many(run("c", "8x1"), run("d", "4x2"), run("e", "2x4"), devices=8)
+    assert all(proc.returncode == 0 for proc in meshes), [proc.stderr[-2000:] for proc in meshes]
+    runs = {name: results_of(tmp_path / name) for name in "abcde"}
     assert runs["a"] == runs["b"]
     for name in "cde":
         for key, value in runs["a"].items():
@@ -2272,7 +2293,7 @@ def free_port():
 
 def test_two_processes_give_the_single_process_scores(ckpt, suite, tmp_path):
     port = free_port()
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = child_env(2)
     procs = [subprocess.Popen([sys.executable, str(ROOT / "evaluate.py"), "--ckpt", str(ckpt), *suite,
                                "--out", str(tmp_path / "multi"), "--quiet", "--temperature", "0.7",
                                "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
@@ -2343,7 +2364,7 @@ def test_ctrl_c_ends_the_run_where_python_or_jax_would_hide_it(where):
 
 def test_killed_training_leaves_a_loadable_checkpoint(tmp_path):
     out = tmp_path / "train"
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = child_env(1)
     proc = subprocess.Popen([sys.executable, str(ROOT / "jobs.py"), "gpt/train/pretrain", "--out", str(out),
                              "--steps", "100000", "--ckpt-every", "2", "--batch-size", "4", "--seq-len", "32",
                              "--n-layers", "1", "--n-embd", "32"], env=env,
@@ -2457,7 +2478,7 @@ def test_results_and_samples_are_replaced_together_or_not_at_all(ckpt, tmp_path)
     no_room_for_samples, no_room_for_results, no_samples = cli_many(
         {"fsize": samples // 4}, other + ["--log-samples", "--out", out],
         {"fsize": (samples + results) // 2}, other + ["--log-samples", "--out", out],
-        {"fsize": None}, other + ["--out", tmp_path / "o2"])
+        {"fsize": None}, other + ["--out", tmp_path / "o2"], compile_cache=False)
     assert_usage_error(no_room_for_samples, "File too large", str(out / "samples.jsonl"))
     assert_usage_error(no_room_for_results, "File too large", str(out / "results.json"))
     assert files_of(out) == pair
