@@ -631,6 +631,17 @@ def padded_length(n: int, cap: int) -> int:
     return min(cap, -(-max(n, 1) // step) * step)
 
 
+def is_argmax(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
+    """Whether each target is argmax(logits) [B, T], ties going to the first index as in
+    jnp.argmax and torch.argmax: no logit above the target's, none equal before it. One
+    fused comparison pass: XLA's CPU backend runs jnp.argmax's paired value-and-index
+    reduction slowly (0.6 s of a 8.5 s GPT-2-small 8 x 512 scoring call; this, 0.01 s)."""
+    target_BT1 = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)
+    index_BTV = jax.lax.broadcasted_iota(jnp.int32, logits_BTV.shape, logits_BTV.ndim - 1)
+    beaten_BTV = (logits_BTV > target_BT1) | ((logits_BTV == target_BT1) & (index_BTV < targets_BT[..., None]))
+    return ~beaten_BTV.any(-1)
+
+
 class Parts(NamedTuple):
     """What an InferenceJob runs: a model, its parameters on the mesh, a tokenizer, the mesh."""
 
@@ -775,7 +786,7 @@ class InferenceJob:
         def piece(args):
             x_BPD, t_BP = args
             logits_BPV = self.model.apply(variables, x_BPD, method=gpt.GPT.unembed)
-            return -gpt.token_nll(logits_BPV, t_BP), jnp.argmax(logits_BPV, -1) == t_BP
+            return -gpt.token_nll(logits_BPV, t_BP), is_argmax(logits_BPV, t_BP)
 
         logprob_NBP, correct_NBP = jax.lax.map(piece, (x_NBPD, targets_NBP))
         return logprob_NBP.transpose(1, 0, 2).reshape(B, T), correct_NBP.transpose(1, 0, 2).reshape(B, T)

@@ -510,6 +510,14 @@ def test_rolling_windows_score_every_token_once():
             assert len(cont) <= max_len and len(context + cont) <= max_len + 1
 
 
+def test_is_argmax_breaks_ties_like_argmax():
+    # small integer logits tie often; every target of every row is checked
+    logits_BV = jnp.asarray(np.random.default_rng(0).integers(0, 3, (64, 6)), jnp.float32)
+    targets_BV = jnp.broadcast_to(jnp.arange(6), (64, 6))
+    got = jax.vmap(evaluate.is_argmax, in_axes=(None, 1), out_axes=1)(logits_BV, targets_BV)
+    assert (np.asarray(got) == (np.asarray(logits_BV).argmax(-1)[:, None] == np.arange(6))).all()
+
+
 def test_encode_pair_moves_trailing_space_like_lm_eval():
     tok = jobs.ByteTokenizer()
     context, cont = evaluate.encode_pair(tok, "Q: 2+2= ", "4")
