@@ -210,24 +210,26 @@ def rotary(x_BTHE: jax.Array, pos_BT: jax.Array, fraction: float, base: float,
     return jnp.concatenate([rotated.astype(x_BTHE.dtype), x_pass], -1)
 
 
-def attend(q_BTHE: jax.Array, k_BSKE: jax.Array, v_BSKE: jax.Array, allowed_BTS: jax.Array,
+def attend(q_BTHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allowed_BTS: jax.Array,
            scale: Optional[float] = None) -> jax.Array:
     """Softmax(q k^T * scale) v, each group of H/K query heads sharing one key/value head;
     scale None means 1 / sqrt(E).
 
-    Written as einsums over the cache's own [B, S, K, E] layout: jax.nn.dot_product_attention
-    transposes the whole KV cache at every decoding step (2-3x slower decoding at long
-    contexts). Scores and softmax are float32; fully masked rows (left padding) come out
-    finite and are never read by real tokens.
+    Keys and values come head-major, [B, K, S, E], the KV cache's own layout: both einsums
+    are then batched over (B, K) with S and E where a matmul wants them, so XLA copies
+    nothing of the cache at a decoding step (with [B, S, K, E] it transposed every layer's
+    keys at every step: 3x slower steps at a 512-token context on CPU). Scores and softmax
+    are float32; fully masked rows (left padding) come out finite and are never read by
+    real tokens.
     """
     B, T, H, E = q_BTHE.shape
-    K = k_BSKE.shape[2]
-    q_BTKGE = q_BTHE.reshape(B, T, K, H // K, E)
-    scores = jnp.einsum("btkge,bske->bkgts", q_BTKGE, k_BSKE, preferred_element_type=jnp.float32)
+    K = k_BKSE.shape[1]
+    q_BKGTE = q_BTHE.reshape(B, T, K, H // K, E).transpose(0, 2, 3, 1, 4)
+    scores = jnp.einsum("bkgte,bkse->bkgts", q_BKGTE, k_BKSE, preferred_element_type=jnp.float32)
     scores = scores / math.sqrt(E) if scale is None else scores * scale
     scores = jnp.where(allowed_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_BSKE.dtype)
-    return jnp.einsum("bkgts,bske->btkge", probs, v_BSKE).reshape(B, T, H, E)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BKSE.dtype)
+    return jnp.einsum("bkgts,bkse->btkge", probs, v_BKSE).reshape(B, T, H, E)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,7 +284,7 @@ def attend_causal(q_BTHE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, scale
 class Attention(Module):
     """Causal self-attention with grouped key/value heads, optional q/k norm and rotary.
 
-    With a layer cache (k_BSKE, v_BSKE), the new keys and values are written at `slot` and
+    With a layer cache (k_BKSE, v_BKSE), the new keys and values are written at `slot` and
     the queries attend over all S cache slots; `allowed_BTS` says which ones they may see
     (the caller includes this layer's window in it). allowed_BTS None means plain causal
     attention within the layer's window (see attend_causal).
@@ -308,7 +310,7 @@ class Attention(Module):
     def __call__(self, x_BTD: jax.Array, pos_BT: jax.Array, allowed_BTS: jax.Array,
                  deterministic: bool = True, kv: Optional[Tuple[jax.Array, jax.Array]] = None,
                  slot: Optional[jax.Array] = None):
-        """(y_BTD, the layer's updated (k_BSKE, v_BSKE) or None without a cache)."""
+        """(y_BTD, the layer's updated (k_BKSE, v_BKSE) or None without a cache)."""
         c = self.cfg
         B, T, D = x_BTD.shape
         q_BTHE = self.q(x_BTD).reshape(B, T, c.n_head, c.head_dim)
@@ -319,18 +321,18 @@ class Attention(Module):
         if c.rope:
             q_BTHE = rotary(q_BTHE, pos_BT, c.rotary_fraction, c.rope_theta, c.rope_scaling)
             k_BTKE = rotary(k_BTKE, pos_BT, c.rotary_fraction, c.rope_theta, c.rope_scaling)
-        if kv is None:
-            k_BSKE, v_BSKE = k_BTKE, v_BTKE
-        else:  # write the T new keys/values into their cache slots, then attend over all S
-            k_BSKE = jax.lax.dynamic_update_slice(kv[0], k_BTKE.astype(kv[0].dtype), (0, slot, 0, 0))
-            v_BSKE = jax.lax.dynamic_update_slice(kv[1], v_BTKE.astype(kv[1].dtype), (0, slot, 0, 0))
         if allowed_BTS is None:  # causal, no padding mask, no cache: the fused path
-            y_BTHE = attend_causal(q_BTHE, k_BSKE, v_BSKE, c.scale, c.window)
+            y_BTHE = attend_causal(q_BTHE, k_BTKE, v_BTKE, c.scale, c.window)
         else:
-            y_BTHE = attend(q_BTHE, k_BSKE.astype(q_BTHE.dtype), v_BSKE.astype(q_BTHE.dtype), allowed_BTS,
+            k_BKSE, v_BKSE = k_BTKE.transpose(0, 2, 1, 3), v_BTKE.transpose(0, 2, 1, 3)
+            if kv is not None:  # write the T new keys/values into their cache slots, then attend over all S
+                k_BKSE = jax.lax.dynamic_update_slice(kv[0], k_BKSE.astype(kv[0].dtype), (0, 0, slot, 0))
+                v_BKSE = jax.lax.dynamic_update_slice(kv[1], v_BKSE.astype(kv[1].dtype), (0, 0, slot, 0))
+                kv = (k_BKSE, v_BKSE)
+            y_BTHE = attend(q_BTHE, k_BKSE.astype(q_BTHE.dtype), v_BKSE.astype(q_BTHE.dtype), allowed_BTS,
                             c.scale)
         y_BTD = self.o(y_BTHE.reshape(B, T, c.n_head * c.head_dim))
-        return self.drop(y_BTD, deterministic=deterministic), None if kv is None else (k_BSKE, v_BSKE)
+        return self.drop(y_BTD, deterministic=deterministic), kv
 
     def flops(self, seq: int) -> float:
         scores = 2 * 2 * seq * seq * self.cfg.n_head * self.cfg.head_dim  # q @ k^T and p @ v
@@ -434,7 +436,7 @@ class Block(Module):
 
 
 class KVCache(NamedTuple):
-    """The decoder's state: per layer keys and values [B, S, K, E], which of the S slots
+    """The decoder's state: per layer keys and values [B, K, S, E], which of the S slots
     hold real tokens [B, S], and the slot the next token goes to (a scalar)."""
 
     keys: Tuple[jax.Array, ...]
@@ -659,7 +661,7 @@ class GPT(Module):
 
     def init_cache(self, batch: int, length: int) -> KVCache:
         """An empty KV cache with `length` slots per sequence."""
-        zeros = lambda: jnp.zeros((batch, length, self.kv_heads, self.head_width), self.adtype)
+        zeros = lambda: jnp.zeros((batch, self.kv_heads, length, self.head_width), self.adtype)
         return KVCache(keys=tuple(zeros() for _ in range(self.n_layers)),
                        values=tuple(zeros() for _ in range(self.n_layers)),
                        valid_BS=jnp.zeros((batch, length), bool), slot=jnp.zeros((), jnp.int32))
