@@ -395,10 +395,9 @@ def decode_floors(variables: Any, rows: int, seed: int) -> Dict[str, Callable[[]
     # (matrix, its contracted axis): kernels are [in, out]; the embedding unembeds as x @ wte.T
     matrices = [(w, 0 if "kernel" in jax.tree_util.keystr(path) else 1) for path, w in leaves
                 if w.ndim == 2 and "wpe" not in jax.tree_util.keystr(path)]
-    dtype = matrices[0][0].dtype
+    weights, axes = zip(*matrices)  # the axes stay Python ints: jit traces only the weights
+    dtype = weights[0].dtype
     x_RK = jax.random.normal(jax.random.key(seed), (rows, max(w.shape[axis] for w, axis in matrices)), dtype)
-
-    axes = [axis for _, axis in matrices]
 
     @jax.jit
     def products(x_RK, weights):
@@ -411,7 +410,7 @@ def decode_floors(variables: Any, rows: int, seed: int) -> Dict[str, Callable[[]
     stream_N = jnp.ones((nbytes(variables) // dtype.itemsize,), dtype)
     read = jax.jit(lambda x_N: x_N.sum(dtype=jnp.float32))
     copy = jax.jit(lambda x_N: x_N * 2)
-    return {"step_matmuls": lambda: products(x_RK, [w for w, _ in matrices]), "read_params": lambda: read(stream_N),
+    return {"step_matmuls": lambda: products(x_RK, weights), "read_params": lambda: read(stream_N),
             "copy_params": lambda: copy(stream_N)}
 
 
