@@ -59,6 +59,7 @@ except ImportError:
 
 import evaluate
 import gpt
+import inference
 from hf import load_backbone
 from jobs import ByteTokenizer, ExecutionSpec, UsageError, exit_status, option, parse_options
 
@@ -367,7 +368,7 @@ def greedy(evaluator: evaluate.Evaluator, prompts: List[List[int]], n_new: int,
     """The evaluation's greedy rollout as a contender: padding, transfer, the jitted prefill
     and while_loop, the host copy. Returns the new tokens [B, n_new]."""
     def rollout() -> np.ndarray:
-        requests = [evaluate.GenerationRequest(i, p) for i, p in enumerate(prompts)]
+        requests = [inference.GenerationRequest(i, p) for i, p in enumerate(prompts)]
         return np.array([g.tokens for _, g in evaluator.generate_until(requests, n_new, 0.0, 1.0, seed)])
     return rollout
 

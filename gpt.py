@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any, List, NamedTuple, Optional, Tuple, Type
 
 import flax.linen as nn
@@ -865,6 +866,26 @@ def place_params(model: Module, mesh: Mesh, host_params: Any) -> Any:
                                             lambda index: np.asarray(array[index]).astype(dtype))
 
     return jax.tree.map(put, host_params, shardings)
+
+
+def available_memory() -> int:
+    """Bytes free for parameters and activations: the host's available memory (CPU devices
+    share it; parameters are read on the host first), or less where this process's
+    accelerators report less free memory between them."""
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/proc/meminfo") as f:  # Linux: MemAvailable counts reclaimable caches
+            host = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        pass
+    stats = [device.memory_stats() for device in jax.local_devices()]
+    if all(s and "bytes_limit" in s for s in stats):
+        return min(host, sum(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats))
+    return host
+
+
+def gigabytes(n: int) -> str:
+    return f"{n / 1e9:.3g} GB"
 
 
 def count_params(params: Any) -> int:

@@ -456,30 +456,10 @@ def parameter_count(m: gpt.GPT) -> int:
 
 def check_fits_in_memory(m: gpt.GPT, where: str) -> None:
     count = parameter_count(m)
-    needed, free = count * np.dtype(gpt.dtype_of(m.param_dtype)).itemsize, available_memory()
+    needed, free = count * np.dtype(gpt.dtype_of(m.param_dtype)).itemsize, gpt.available_memory()
     if needed > free:
-        raise UsageError(f"{where}: these sizes make {count:.3g} parameters ({gigabytes(needed)}), "
-                         f"more than the {gigabytes(free)} of memory available")
-
-
-def available_memory() -> int:
-    """Bytes free for parameters and activations: the host's available memory (CPU devices
-    share it; parameters are read on the host first), or less where this process's
-    accelerators report less free memory between them."""
-    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    try:
-        with open("/proc/meminfo") as f:  # Linux: MemAvailable counts reclaimable caches
-            host = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        pass
-    stats = [device.memory_stats() for device in jax.local_devices()]
-    if all(s and "bytes_limit" in s for s in stats):
-        return min(host, sum(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats))
-    return host
-
-
-def gigabytes(n: int) -> str:
-    return f"{n / 1e9:.3g} GB"
+        raise UsageError(f"{where}: these sizes make {count:.3g} parameters ({gpt.gigabytes(needed)}), "
+                         f"more than the {gpt.gigabytes(free)} of memory available")
 
 
 class TensorFiles:

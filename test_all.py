@@ -54,8 +54,10 @@ jax.config.update("jax_numpy_rank_promotion", "raise")  # broadcasting must be e
 
 import evaluate
 import gpt
-import jobs
 import hf
+import inference
+import jobs
+import tasks
 import train
 from hf import export_gpt2, load_backbone
 from jobs import HFTokenizer, UsageError
@@ -500,7 +502,7 @@ def test_find_accumulation_steps():
 def test_rolling_windows_score_every_token_once():
     tokens = list(range(100, 250))
     for max_len in (16, 64, 150, 200):
-        requests = evaluate.rolling_requests(tokens, 7, max_len)
+        requests = inference.rolling_requests(tokens, 7, max_len)
         assert sum((cont for _, cont in requests), []) == tokens
         assert requests[0][0] == [7]
         full = [7] + tokens
@@ -514,7 +516,7 @@ def test_is_argmax_breaks_ties_like_argmax():
     # small integer logits tie often; every target of every row is checked
     logits_BV = jnp.asarray(np.random.default_rng(0).integers(0, 3, (64, 6)), jnp.float32)
     targets_BV = jnp.broadcast_to(jnp.arange(6), (64, 6))
-    got = jax.vmap(evaluate.is_argmax, in_axes=(None, 1), out_axes=1)(logits_BV, targets_BV)
+    got = jax.vmap(inference.is_argmax, in_axes=(None, 1), out_axes=1)(logits_BV, targets_BV)
     assert (np.asarray(got) == (np.asarray(logits_BV).argmax(-1)[:, None] == np.arange(6))).all()
 
 
@@ -568,7 +570,7 @@ def test_rollout_equals_full_recompute_greedy(small):
     model, host = small
     ev = evaluator(small, [], batch_size=3)
     prompts = [list(b"12+3"), list(b"the cat"), list(b"a")]
-    requests = [evaluate.GenerationRequest(i, p) for i, p in enumerate(prompts)]
+    requests = [inference.GenerationRequest(i, p) for i, p in enumerate(prompts)]
     out = [(g.tokens, g.truncated) for _, g in ev.generate_until(requests, 6, 0.0, 1.0, 0)]
     for (new, truncated), prompt in zip(out, prompts):
         expected = greedy_by_recompute(model, host, prompt, 6)
@@ -731,12 +733,14 @@ def test_registry_and_jobs_cli(capsys):
         assert needle in capsys.readouterr().err
 
 
-PROJECT_FILES = {"gpt": 0, "jobs": 1, "hf": 2, "evaluate": 3, "train": 4, "bench": 4}  # import order
+PROJECT_FILES = {"gpt": 0, "inference": 1, "jobs": 1, "hf": 2, "tasks": 3, "evaluate": 4, "train": 5,
+                 "bench": 5}  # import order
 
 
 def test_imports_flow_one_way_and_sit_at_the_top():
-    """gpt.py <- jobs.py <- hf.py <- evaluate.py <- train.py, bench.py: each file imports only
-    files before it, and only at module level (no import inside a function)."""
+    """gpt.py <- inference.py, jobs.py <- hf.py <- tasks.py <- evaluate.py <- train.py, bench.py:
+    each file imports only files before it, and only at module level (no import inside a
+    function); inference.py and jobs.py do not import each other."""
     for name, rank in PROJECT_FILES.items():
         tree = ast.parse((ROOT / f"{name}.py").read_text())
         for node in ast.walk(tree):
@@ -757,6 +761,42 @@ def test_gpt_py_works_copied_alone(tmp_path):
     proc = subprocess.run([sys.executable, "gpt.py"], cwd=tmp_path, capture_output=True, text=True, env=env,
                           timeout=120)
     assert proc.returncode == 0 and "parameters" in proc.stdout and "greedy" in proc.stdout, proc.stderr[-2000:]
+
+
+INFERENCE_ALONE = '''
+import gpt, inference
+class Letters:  # the tokenizer protocol of inference.Tokenizer, written out as another project would
+    bos_token_id, eos_token_id, vocab_size = 0, 1, 28
+    def encode(self, text, add_special_tokens=True):
+        return [2 + ord(c) - ord("a") for c in text]
+    def decode(self, ids):
+        return "".join(chr(ord("a") + i - 2) for i in ids if i >= 2)
+model = gpt.GPT(n_layers=1, n_embd=32, n_head=2, block_size=16, vocab_size=28)
+mesh = gpt.make_mesh()
+job = inference.InferenceJob(model, gpt.init_params(model, mesh, seed=0), Letters(), mesh, batch_size=2)
+[(request, scored)] = job.loglikelihood([inference.Request(0, [0, 2, 3], [4, 5])])
+[(_, generation)] = job.generate_until([inference.GenerationRequest(0, [0, 2, 3], ())], 4)
+print(scored.tokens, round(scored.logprob, 6), len(generation.tokens))
+'''
+
+
+def test_inference_core_works_copied_with_gpt_py(tmp_path):
+    """inference.py and gpt.py together, in an empty directory, with a tokenizer of their own:
+    a request is scored, and the log-likelihood is what the forward pass gives."""
+    for name in ("gpt.py", "inference.py"):
+        shutil.copy(ROOT / name, tmp_path)
+    (tmp_path / "use.py").write_text(INFERENCE_ALONE)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    proc = subprocess.run([sys.executable, "use.py"], cwd=tmp_path, capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    count, logprob, generated = proc.stdout.split()
+    model = gpt.GPT(n_layers=1, n_embd=32, n_head=2, block_size=16, vocab_size=28)
+    logits = logits_of(model, gpt.init_params(model, mesh_of(), seed=0), np.array([[0, 2, 3, 4]], np.int32))
+    logp = jax.nn.log_softmax(logits[0], -1)
+    assert int(count) == 2 and int(generated) == 4
+    assert float(logprob) == pytest.approx(float(logp[2, 4] + logp[3, 5]), abs=1e-5)
 
 
 def test_trainer_learns_and_evaluates_through_from_trainer(tmp_path):
@@ -794,7 +834,7 @@ def test_gen_stop_strings_per_line_and_from_the_command_line(small, tmp_path):
     ev = evaluator(small, None, data=cfg.data, stop=cfg.stop, max_new_tokens=cfg.max_new_tokens)
     records = ev.evaluations[0].result(ev, ev.tokenizer, **ev.decoding()).records
     assert [r["output"] for r in records] == [line["answer"] for line in lines[:3]] + [
-        evaluate.cut_at_stop(full[3], [stop])]
+        inference.cut_at_stop(full[3], [stop])]
     assert [r["score"] for r in records[:3]] == [1.0, 1.0, 1.0] and len(records[0]["output"]) < len(full[0])
     for bad in ('{"prompt": "a", "answer": "b", "until": "x"}', '{"prompt": "a", "answer": "b", "until": [1]}'):
         with pytest.raises(UsageError, match="f.jsonl:3: 'until' must be a list of strings"):
@@ -1283,7 +1323,7 @@ def hf_continuation_logprob(hf, context, continuation):
 def hf_document_nll(hf, tokens, prefix, max_len):
     """Every token scored once, windows of max_len as in lm-eval's loglikelihood_rolling."""
     return -sum(hf_continuation_logprob(hf, ctx, cont)
-                for ctx, cont in evaluate.rolling_requests(tokens, prefix, max_len))
+                for ctx, cont in inference.rolling_requests(tokens, prefix, max_len))
 
 
 @needs_torch
@@ -1727,10 +1767,10 @@ def harness_config(task_dir, tasks, chat):
 
 
 def run_ours(ev, cfg):
-    """Our backend through Evaluator.evaluate_tasks, as the command line runs it. One evaluator
+    """Our backend through tasks.evaluate_tasks, as the command line runs it. One evaluator
     serves every variant (as one process would), so each shape compiles once."""
     ev.cfg = cfg
-    return ev.evaluate_tasks(evaluate.JaxLM(ev, seed=cfg.seed))
+    return tasks.evaluate_tasks(tasks.JaxLM(ev, seed=cfg.seed), cfg)
 
 
 def run_hflm(hflm, task_dir, tasks, chat=False):
@@ -1762,11 +1802,11 @@ def harness(tmp_path_factory):
                                        gpt.place_params(jax_model, mesh_of(), host), HFTokenizer(model_dir),
                                        mesh_of(), [])
     seconds, runs = {}, {}
-    for variant, tasks, ours_too, chat in VARIANTS:
+    for variant, names, ours_too, chat in VARIANTS:
         started = time.time()
-        theirs = run_hflm(hflm, task_dir, tasks, chat)
+        theirs = run_hflm(hflm, task_dir, names, chat)
         middle = time.time()
-        ours = run_ours(ev, harness_config(task_dir, tasks + ours_too, chat))
+        ours = run_ours(ev, harness_config(task_dir, names + ours_too, chat))
         seconds[variant] = (middle - started, time.time() - middle)
         runs[variant] = (theirs, ours)
     print("\n" + ", ".join(f"{v}: lm-eval hf {a:.1f}s, ours {b:.1f}s" for v, (a, b) in seconds.items()))
@@ -1902,7 +1942,7 @@ def test_lm_eval_tasks_on_two_processes_over_a_4x2_mesh(harness, tmp_path):
     for task in CLI_TASKS:
         assert_same_scores(ours, written, task, rtol=1e-5)
         lines = sorted((json.loads(line) for line in (out / files["samples"][task]).read_text().splitlines()), key=key)
-        expected_lines = sorted((json.loads(evaluate.sample_line(s)) for s in ours["samples"][task]), key=key)
+        expected_lines = sorted((json.loads(tasks.sample_line(s)) for s in ours["samples"][task]), key=key)
         assert [key(s) for s in lines] == [key(s) for s in expected_lines]
         for line, reference in zip(lines, expected_lines):
             assert line["arguments"] == reference["arguments"]
@@ -1932,15 +1972,15 @@ def test_lm_eval_bad_options_and_tasks_fail_clearly(small, tmp_path, monkeypatch
             evaluate.EvaluatorConfig(**fields).validate()
     from lm_eval.tasks import TaskManager
     # only the local index, so that the test does not wait for lm-eval's 14,683 built-in tasks
-    monkeypatch.setattr(evaluate, "task_manager",
+    monkeypatch.setattr(tasks, "task_manager",
                         lambda names, path: TaskManager(include_path=path, include_defaults=False))
     ev = evaluator(small, [], tasks="nope", include_path=str(tmp_path))
     with pytest.raises(UsageError, match="'nope' is not an lm-eval task"):
-        ev.evaluate_tasks(evaluate.JaxLM(ev))
+        tasks.evaluate_tasks(tasks.JaxLM(ev), ev.cfg)
     ev = evaluator(small, [], tasks="nope", apply_chat_template=True)
     with pytest.raises(UsageError, match="no chat template"):  # a byte tokenizer has none
-        ev.evaluate_tasks(evaluate.JaxLM(ev))
-    lm = evaluate.JaxLM(ev)
+        tasks.evaluate_tasks(tasks.JaxLM(ev), ev.cfg)
+    lm = tasks.JaxLM(ev)
     with pytest.raises(UsageError, match="num_beams"):
         lm.decoding({"until": ["\n"], "num_beams": 4})
     with pytest.raises(UsageError, match="64 new tokens"):  # lm-eval's HF model would assert
@@ -1964,7 +2004,7 @@ def test_jaxlm_answers_as_our_own_kinds(small):
     """lm-eval's requests through JaxLM give what our own kinds compute for the same texts,
     here with the byte tokenizer (no transformers tokenizer, no text for its special tokens)."""
     ev = evaluator(small, [])
-    lm = evaluate.JaxLM(ev)
+    lm = tasks.JaxLM(ev)
     request = lambda *args: types.SimpleNamespace(args=args)  # what JaxLM reads of lm-eval's Instance
     mc = evaluate.MultipleChoiceEvaluation("mc", MC).result(ev, ev.tokenizer).records
     answers = lm.loglikelihood([request(m["context"], c) for m in MC for c in m["choices"]])
