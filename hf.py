@@ -25,8 +25,10 @@ from typing import Any, Dict, Optional, Tuple
 import flax.linen as nn
 import jax
 import numpy as np
-import transformers
 from safetensors.numpy import save_file
+
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # its import-time "PyTorch was not found"
+import transformers  # noqa: E402  (torch is never needed, and the first line on stderr is ours)
 
 import gpt
 from jobs import (TensorFiles, UsageError, check_model_fields, exit_status, first_line, flatten, param_shapes,

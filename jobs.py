@@ -35,10 +35,12 @@ from typing import Any, BinaryIO, Callable, Dict, Iterator, List, Optional, Tupl
 import flax.linen as nn
 import jax
 import numpy as np
-import transformers
 from jax.experimental import multihost_utils
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save
+
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # its import-time "PyTorch was not found"
+import transformers  # noqa: E402  (torch is never needed, and the first line on stderr is ours)
 
 import gpt
 

@@ -737,6 +737,35 @@ PROJECT_FILES = {"gpt": 0, "inference": 1, "jobs": 1, "hf": 2, "tasks": 3, "eval
                  "bench": 5}  # import order
 
 
+def test_every_relative_link_in_the_docs_resolves():
+    """README.md and docs/*.md link to files of the repository (and their anchors) that exist."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    assert len(pages) > 2
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            assert linked.exists(), f"{page.name}: link to {target} goes nowhere"
+            if anchor:
+                headings = re.findall(r"^#+ (.*)$", linked.read_text(), re.M)
+                slugs = {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
+                assert anchor in slugs, f"{page.name}: no heading {anchor!r} in {linked.name}"
+
+
+def test_readme_python_example_runs_as_shown(capsys):
+    """The README's Python blocks, run as they are: the scores they print are the ones shown."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert blocks
+    exec(compile("\n".join(blocks), "README.md", "exec"), {})
+    scores_line, quiz_line, scored_line = capsys.readouterr().out.splitlines()
+    shown = re.search(r"print\(evaluator.evaluate\(\)\)\s+# (\{.*\})", blocks[0]).group(1)
+    for name, value in re.findall(r"'(\w+)': ([\d.]+)", shown):
+        assert f"'{name}': {value.rstrip('.')}" in scores_line, (scores_line, shown)
+    assert quiz_line == "[0.]" and scored_line.endswith(" 5")
+
+
 def test_imports_flow_one_way_and_sit_at_the_top():
     """gpt.py <- inference.py, jobs.py <- hf.py <- tasks.py <- evaluate.py <- train.py, bench.py:
     each file imports only files before it, and only at module level (no import inside a
