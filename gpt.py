@@ -549,7 +549,7 @@ class GPT(Module):
         if not self.tie_embeddings:
             self.lm_head = Linear(features=self.vocab_size, axes=("embed", "vocab"), **dt)
 
-    # --- the seed's four stages: embed -> decode -> unembed -> loss
+    # --- the reference API's four stages: embed -> decode -> unembed -> loss
 
     def embed(self, idx: jax.Array, deterministic: bool = False, positions: Optional[jax.Array] = None,
               **kwargs: Any) -> jax.Array:
