@@ -2709,7 +2709,7 @@ def test_bad_options_are_refused_and_batch_sizes_pad_to_the_data(ckpt, tmp_path)
         assert_usage_error(proc, *needles, out=tmp_path / "o")
     assert one.returncode == 0 and huge.returncode == 0, huge.stderr[-2000:]
     assert results_of(tmp_path / "huge") == results_of(tmp_path / "one")
-    assert_usage_error(beyond, "--batch-size 1024", "more than", out=tmp_path / "o")
+    assert_usage_error(beyond, "batch size 1024", "more than", out=tmp_path / "o")
 
 
 def test_files_that_are_not_regular_are_refused_without_waiting(ckpt, tmp_path):
