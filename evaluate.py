@@ -34,10 +34,11 @@ from jax.experimental import multihost_utils
 
 import gpt
 from hf import load_backbone  # noqa: F401  (load_backbone: the reference API has it here too)
-from inference import GenerationRequest, InferenceJob, RequestError, Request, Scored, per_document
+from inference import (MIN_TEMPERATURE, GenerationRequest, InferenceJob, RequestError, Request, Scored,
+                       per_document)
 from jobs import (MAX_SEED, ByteTokenizer, ExecutionSpec, HFTokenizer, Node, UsageError, builtin_items,
-                  checkpoint_files, exit_status, file_digest, is_eval_item, job, load_checkpoint, load_tokenizer,
-                  model_config, open_regular, option, parse_options, read_json, short, to_host)
+                  checkpoint_files, exit_status, file_digest, is_checkpoint_file, is_eval_item, job, load_checkpoint,
+                  load_tokenizer, model_config, open_regular, option, parse_options, read_json, short, to_host)
 from tasks import LM_EVAL, check_task_options, run_tasks
 
 
@@ -127,6 +128,15 @@ class DatasetEvaluation(Evaluation):
     def score(self, records: List[Dict[str, Any]]) -> List[float]:
         return [r["score"] for r in records]
 
+    def where(self, index: int) -> str:
+        """Sample `index` for an error message: FILE:LINE of a JSONL file."""
+        if isinstance(self.dataset, JsonlDataset):
+            return f"{self.dataset.path}:{self.dataset.line_of(index)}"
+        return f"sample {index}"
+
+    def non_finite_error(self, what: str, index: int) -> UsageError:
+        return UsageError(f"evaluation {self.name}: non-finite {what} at {self.where(index)} (broken weights?)")
+
     def aggregate(self, records: List[Dict[str, Any]]) -> Tuple[float, float, Dict[str, float]]:
         """(value, standard error, extra metrics); plain mean unless a kind says otherwise."""
         scores = np.array(self.score(records), np.float64)
@@ -138,6 +148,9 @@ class DatasetEvaluation(Evaluation):
         records, rows = [], []
         for record, row in inference.progress(self.records(inference, encoding, keep_rows, **kwargs),
                                               self.name, len(self)):
+            field = non_finite(record)
+            if field is not None:  # NaN would be no score at all, and no JSON in samples.jsonl
+                raise self.non_finite_error(field, record["index"])
             records.append(record)
             if keep_rows:
                 rows.append(row)
@@ -161,6 +174,14 @@ class DatasetEvaluation(Evaluation):
         return (out, result.intermediates) if return_intermediates else out
 
 
+def non_finite(record: Dict[str, Any]) -> Optional[str]:
+    """The first field of a sample's record holding a NaN or an infinity, if any."""
+    for field, value in record.items():
+        if any(isinstance(v, float) and not math.isfinite(v) for v in (value if isinstance(value, list) else [value])):
+            return field
+    return None
+
+
 class RollingEvaluation(DatasetEvaluation):
     """Every token of each `text` scored once, in rolling windows (loglikelihood_rolling);
     a kind says what a document's record holds and how records aggregate. Empty texts are
@@ -173,6 +194,8 @@ class RollingEvaluation(DatasetEvaluation):
         results = inference.loglikelihood_rolling(documents, keep_rows)
         for index, (sample, scored) in enumerate(zip(self.dataset, results)):
             tokens = sum(r.tokens for r in scored)
+            if not all(math.isfinite(r.logprob) for r in scored):  # acc's record would not show it
+                raise self.non_finite_error("log-likelihood", index)
             if tokens == 0:
                 yield {"eval": self.name, "index": index, "skipped": True, "score": None}, None
             else:
@@ -190,14 +213,23 @@ class PerplexityEvaluation(RollingEvaluation):
 
     def record(self, sample, scored, tokens):
         nll = -sum(r.logprob for r in scored)
-        return {"score": math.exp(nll / tokens), "nll": nll, "tokens": tokens,
+        return {"score": exp(nll / tokens), "nll": nll, "tokens": tokens,
                 "bytes": len(sample["text"].encode("utf-8"))}
 
     def aggregate(self, records):
         rate, se_rate, tokens = token_weighted(records, "nll")
         bpb = rate * tokens / (math.log(2) * sum(r["bytes"] for r in records))
         # exp() of the mean nll per token; its standard error by the delta method
-        return math.exp(rate), math.exp(rate) * se_rate, {"bits_per_byte": bpb, "tokens": tokens}
+        return exp(rate), exp(rate) * se_rate, {"bits_per_byte": bpb, "tokens": tokens}
+
+
+def exp(x: float) -> float:
+    """math.exp, infinite where it overflows (a broken model's perplexity), so that the
+    non-finite check names it rather than OverflowError ending the run in a traceback."""
+    try:
+        return math.exp(x)
+    except OverflowError:
+        return math.inf
 
 
 class AccuracyEvaluation(RollingEvaluation):
@@ -232,10 +264,7 @@ class MultipleChoiceEvaluation(DatasetEvaluation):
     kind = "mc"
 
     def records(self, inference, encoding, keep_rows, **kwargs):
-        requests = (Request(index, context or [inference.prefix_id], continuation)
-                    for index, sample in enumerate(self.dataset) for choice in sample["choices"]
-                    for context, continuation in [encode_pair(encoding, sample["context"], choice)])
-        results = per_document(inference.loglikelihood(requests, keep_rows))
+        results = per_document(inference.loglikelihood(self.requests(inference, encoding), keep_rows))
         for index, (sample, scored) in enumerate(zip(self.dataset, results)):
             loglik = [r.logprob for r in scored]
             normed = [ll / max(len(c), 1) for ll, c in zip(loglik, sample["choices"])]
@@ -243,6 +272,18 @@ class MultipleChoiceEvaluation(DatasetEvaluation):
             yield ({"eval": self.name, "index": index, "score": float(pred == sample["gold"]),
                     "loglik": loglik, "pred": pred, "gold": sample["gold"],
                     "acc_norm": float(pred_norm == sample["gold"])}, rows_of(scored))
+
+    def requests(self, inference: InferenceJob, encoding: Any) -> Iterator[Request]:
+        """One loglikelihood request per choice. A choice that adds no token once joined to
+        the context ("lo" after "hel", where "hello" is one token) is refused: its empty
+        continuation would score 0.0 and always win."""
+        for index, sample in enumerate(self.dataset):
+            for number, choice in enumerate(sample["choices"]):
+                context, continuation = encode_pair(encoding, sample["context"], choice)
+                if not continuation:
+                    raise UsageError(f"{self.where(index)}: choice {number} {short(choice)} adds no token to the "
+                                     f"context (the tokenizer joins them); an empty continuation has nothing to score")
+                yield Request(index, context or [inference.prefix_id], continuation)
 
     def aggregate(self, records):
         value, stderr, metrics = super().aggregate(records)
@@ -486,8 +527,7 @@ class Evaluator(InferenceJob):
         2. every evaluation not yet finished, each kept in RESUME_FILE as it finishes;
         3. --tasks through lm-eval, last and in one piece;
         4. results.json and samples.jsonl, written together (process 0)."""
-        with refused_as_usage():
-            self.spec.check_out_dir(OUTPUT_FILES)
+        with refused_as_usage(), out_dir_held(self.spec):  # no other run writes there meanwhile
             fingerprint = run_fingerprint(self)  # 1
             previous = previous_run(self, fingerprint)
             if previous.finished:
@@ -522,13 +562,13 @@ class Evaluator(InferenceJob):
         Without --log-samples an earlier run's samples.jsonl is removed; so is RESUME_FILE.
         `tasks`: what lm-eval's tasks add to results.json (see tasks.run_tasks)."""
         samples = None
-        if self.cfg.log_samples and results:
-            samples = "".join(json.dumps(r) + "\n" for res in results for r in res.records).encode()
+        if self.cfg.log_samples and results:  # allow_nan=False: a NaN left would be a bug, not bare NaN in a file
+            samples = "".join(json.dumps(r, allow_nan=False) + "\n" for res in results for r in res.records).encode()
         summary = {**self.summary(results, seconds), "fingerprint": fingerprint}
         for key, entries in tasks.items():  # lm-eval's scores join ours
             summary[key] = {**summary.get(key, {}), **entries}
-        self.spec.write_together({"samples.jsonl": samples, "results.json": (json.dumps(summary, indent=2) + "\n").encode(),
-                                  RESUME_FILE: None})
+        results_json = json.dumps(summary, indent=2, allow_nan=False) + "\n"
+        self.spec.write_together({"samples.jsonl": samples, "results.json": results_json.encode(), RESUME_FILE: None})
         done = self.spec.path("results.json")
         self.say(f"results: {done}" + (f" and {self.spec.path('samples.jsonl')}" if samples else ""))
 
@@ -601,6 +641,8 @@ UNSCORED_OPTIONS = ("out", "batch_size", "mesh", "chunks", "quiet", "force", "co
                     "process_id", "ckpt", "data")
 RESUME_FILE = ".resume.json"  # the finished evaluations of an unfinished run, beside results.json
 OUTPUT_FILES = ("results.json", "samples.jsonl", RESUME_FILE)
+# where a run killed with SIGKILL can have left temporaries (jobs.write_temporary's names)
+STALE_TEMPORARIES = tuple(f".{name}.*.tmp" for name in OUTPUT_FILES) + ("lm_eval/*/.*.tmp",)
 TASK_FILES = (".yaml", ".yml", ".py", ".json", ".jsonl")  # what an --include-path task is made of
 
 
@@ -633,8 +675,8 @@ def dataset_fingerprint(evaluation: Evaluation) -> Dict[str, Any]:
     of its items."""
     dataset = getattr(evaluation, "dataset", None)
     kind = getattr(evaluation, "kind", type(evaluation).__name__)
-    if isinstance(dataset, JsonlDataset):
-        return {"kind": kind, "path": os.path.abspath(dataset.path), **file_digest(dataset.path, "--data file")}
+    if isinstance(dataset, JsonlDataset):  # the bytes its lines were checked in, not the file as it is now
+        return {"kind": kind, "path": os.path.abspath(dataset.path), **dataset.digest}
     items = json.dumps(list(dataset) if dataset is not None else None, sort_keys=True)
     return {"kind": kind, "sha256": hashlib.sha256(items.encode()).hexdigest()}
 
@@ -655,6 +697,33 @@ def parameters_digest(variables: Any) -> str:
         digest.update(f"{name} {array.dtype} {array.shape}".encode())
         digest.update(np.ascontiguousarray(array).tobytes())
     return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def out_dir_held(spec: ExecutionSpec) -> Iterator[None]:
+    """The output directory, checked and held by process 0 (which alone writes) for the whole
+    run (jobs.DirectoryLock), a killed run's temporaries removed; a second run into it is
+    refused, naming the holder, whatever it would do (even nothing: what it would read is
+    being replaced). In a multi-process run the others learn whether process 0 could, so
+    that none waits in a collective for a process 0 that has left."""
+    lock, refusal = None, None
+    if spec.is_main:
+        try:
+            spec.check_out_dir(OUTPUT_FILES)
+            lock = spec.lock_out_dir(STALE_TEMPORARIES)
+        except UsageError as e:
+            refusal = e
+    if jax.process_count() > 1:
+        refused = bool(multihost_utils.broadcast_one_to_all(np.int32(refusal is not None)))
+        if refused and refusal is None:
+            raise UsageError("process 0 refused this run (its error says why)")
+    if refusal is not None:
+        raise refusal
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 class Previous(NamedTuple):
@@ -770,32 +839,66 @@ KINDS = {  # kind -> required fields and their types
 
 
 class JsonlDataset:
-    """A user JSONL file, checked line by line up front and then streamed (never held whole)."""
+    """A user JSONL file, checked line by line up front and then streamed (never held whole).
+
+    A run scores exactly the bytes it checked and fingerprinted: the one pass that checks
+    the lines also hashes the file (`digest`, what the fingerprint records), and each stream
+    reads no further than the lines checked, hashing them again: lines appended meanwhile are
+    never read, and bytes changed meanwhile end the run with one line once the stream is read
+    through (before anything is written of it)."""
 
     def __init__(self, kind: str, path: str, limit: Optional[int] = None):
         if kind not in KINDS:
             raise UsageError(f"--data {kind}:{path}: unknown kind {kind!r}; choose {', '.join(KINDS)}")
         self.kind, self.path, self.limit = kind, Path(path), limit
-        self.count = sum(1 for _ in self._read())  # validates every line
+        self.count, self.digest, self.used = self._check()
         if self.count == 0:
             raise UsageError(f"{path}: empty dataset (no JSON lines)")
 
-    def _read(self) -> Iterator[Dict[str, Any]]:
+    def _check(self) -> Tuple[int, Dict[str, Any], Tuple[int, str]]:
+        """(samples, {"bytes", "sha256"} of the file, (bytes, sha256) of the lines streamed:
+        all of them, or those up to the limit's last sample)."""
+        whole, size, count, used = hashlib.sha256(), 0, 0, None
         with open_regular(self.path, "--data file") as f:
-            n = 0
             for number, raw in enumerate(f, 1):
-                if self.limit is not None and n >= self.limit:
-                    return
-                if not raw.strip():
-                    continue
-                yield check_sample(self.kind, raw, f"{self.path}:{number}")
-                n += 1
+                whole.update(raw)
+                size += len(raw)
+                if used is None and raw.strip():
+                    check_sample(self.kind, raw, f"{self.path}:{number}")
+                    count += 1
+                    if count == self.limit:
+                        used = (size, whole.hexdigest())
+        return count, {"bytes": size, "sha256": whole.hexdigest()}, used or (size, whole.hexdigest())
+
+    def _lines(self) -> Iterator[Tuple[int, bytes]]:
+        """(line number, bytes) of the lines checked, as they are now; UsageError at the end if
+        those bytes are no longer the ones checked."""
+        digest, left = hashlib.sha256(), self.used[0]
+        with open_regular(self.path, "--data file") as f:
+            for number, raw in enumerate(f, 1):
+                raw = raw[:left]
+                digest.update(raw)
+                left -= len(raw)
+                yield number, raw
+                if not left:
+                    break
+        if left or digest.hexdigest() != self.used[1]:
+            raise UsageError(f"{self.path} changed while this run read it; nothing of it was written (run again "
+                             "once it no longer changes)")
 
     def __iter__(self) -> Iterator[Dict[str, Any]]:
-        return self._read()
+        for number, raw in self._lines():
+            if raw.strip():
+                yield check_sample(self.kind, raw, f"{self.path}:{number}")
 
     def __len__(self) -> int:
         return self.count
+
+    def line_of(self, index: int) -> str:
+        """The line number of sample `index`, for an error message (the file is read again;
+        "?" if it no longer has that many lines)."""
+        numbers = (str(number) for number, raw in self._lines() if raw.strip())
+        return next(itertools.islice(numbers, index, None), "?")
 
 
 def check_sample(kind: str, raw: bytes, where: str) -> Dict[str, Any]:
@@ -830,6 +933,8 @@ def check_sample(kind: str, raw: bytes, where: str) -> Dict[str, Any]:
                 raise UsageError(f"{where}: choice {i} is empty; an empty continuation has nothing to score")
         if not 0 <= sample["gold"] < len(choices):
             raise UsageError(f"{where}: 'gold' {sample['gold']} is out of range for {len(choices)} choices")
+    if kind == "gen" and not sample["answer"].strip():  # outputs are compared stripped
+        raise UsageError(f"{where}: 'answer' is empty or only whitespace, which an empty output would match")
     if kind == "gen" and "until" in sample:  # optional: this line's own stop strings
         until = sample["until"]
         if not isinstance(until, list) or not all(isinstance(s, str) for s in until):
@@ -855,8 +960,8 @@ def check_options(cfg: EvaluatorConfig) -> None:
     for name in ("limit", "max_new_tokens"):
         if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
-    if cfg.temperature < 0 or not math.isfinite(cfg.temperature):
-        raise UsageError(f"--temperature must be >= 0, got {cfg.temperature}")
+    if not (cfg.temperature == 0 or MIN_TEMPERATURE <= cfg.temperature < math.inf):
+        raise UsageError(f"--temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, inf), got {cfg.temperature:g}")
     if not 0 < cfg.top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1], got {cfg.top_p}")
     if cfg.dtype not in ("float32", "bfloat16"):
@@ -874,7 +979,22 @@ def check_options(cfg: EvaluatorConfig) -> None:
             gpt.parse_mesh(cfg.mesh)
         except ValueError as e:
             raise UsageError(f"--mesh: {e}") from None
+    check_out_beside_checkpoint(cfg)
     check_task_options(cfg)
+
+
+def check_out_beside_checkpoint(cfg: EvaluatorConfig) -> None:
+    """An output directory never changes what a checkpoint is: one inside --ckpt under a name
+    the checkpoint is read from (tokenizer.json, eval.safetensors) would be read as part of it."""
+    if cfg.ckpt is None:
+        return
+    try:
+        inside = Path(cfg.out).resolve().relative_to(Path(cfg.ckpt).resolve())
+    except ValueError:  # not inside the checkpoint
+        return
+    if inside.parts and is_checkpoint_file(inside.parts[0]):
+        raise UsageError(f"--out {cfg.out}: {inside.parts[0]!r} in checkpoint {cfg.ckpt} would be read as one of "
+                         "its files; choose another name")
 
 
 ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}

@@ -35,14 +35,22 @@ class RequestError(ValueError):
     memory): the caller's input, reported as such, not a bug."""
 
 
+# The lowest sampling temperature besides 0 (greedy): logits / T overflows float32 long before
+# T reaches its smallest values (1e-38 and 1e-40 gave garbage), and below 1e-6 sampling is
+# greedy decoding in all but name (a logit gap of 1e-4 already makes the runner-up e^-100 as likely)
+MIN_TEMPERATURE = 1e-6
+
+
 class Tokenizer(Protocol):
     """What InferenceJob needs of a tokenizer (jobs.ByteTokenizer and jobs.HFTokenizer are two).
 
     encode(text, add_special_tokens) gives token ids, with the tokenizer's own special
     tokens (a Llama tokenizer's BOS) unless add_special_tokens is False; decode(ids) gives
     text without special tokens. bos_token_id and eos_token_id may be None: the first
-    context token of a document is BOS, else EOS (prefix_id), and generation stops at EOS.
-    vocab_size is the number of ids encode can return, at most the model's vocab_size.
+    context token of a document is BOS, else EOS (prefix_id; with neither, no document and
+    no empty context can be scored), and generation stops at EOS. vocab_size is one more
+    than the largest id encode can return, at most the model's vocab_size (every id must
+    have a row in the embedding).
     """
 
     bos_token_id: Optional[int]
@@ -172,8 +180,8 @@ class InferenceJob:
         multiple of the mesh's "batch" size), chunks how many batches one jitted call scans,
         seed the default of generate_until's sampling, quiet turns the progress bars off."""
         if tokenizer.vocab_size > model.vocab_size:
-            raise RequestError(f"tokenizer has {tokenizer.vocab_size} tokens but the model's embedding "
-                               f"has only {model.vocab_size}")
+            raise RequestError(f"the tokenizer's ids reach {tokenizer.vocab_size - 1} (vocab_size "
+                               f"{tokenizer.vocab_size}), beyond the model's embedding of {model.vocab_size} rows")
         self.model, self.variables, self.tokenizer, self.mesh = model, variables, tokenizer, mesh
         self.requested_batch_size, self.chunks, self.seed, self.quiet = batch_size, chunks, seed, quiet
         self.dp = mesh.shape["batch"]
@@ -190,9 +198,14 @@ class InferenceJob:
 
     @property
     def prefix_id(self) -> int:
-        """BOS if the tokenizer has one, else EOS: the first context token (as lm-eval)."""
+        """BOS if the tokenizer has one, else EOS: the first context token (as lm-eval). With
+        neither, a document's first token has nothing to be predicted from: refused, rather
+        than conditioned on whatever token 0 is."""
         bos, eos = self.tokenizer.bos_token_id, self.tokenizer.eos_token_id
-        return bos if bos is not None else (eos if eos is not None else 0)
+        if bos is None and eos is None:
+            raise RequestError("the tokenizer has neither a BOS nor an EOS token, which a document or an "
+                               "empty context needs to start from")
+        return bos if bos is not None else eos
 
     @property
     def batch_size(self) -> int:

@@ -19,6 +19,7 @@ import contextlib
 import importlib
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -29,8 +30,8 @@ from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tu
 import jax
 import numpy as np
 
-from inference import GenerationRequest, InferenceJob, Request
-from jobs import ExecutionSpec, UsageError
+from inference import MIN_TEMPERATURE, GenerationRequest, InferenceJob, Request
+from jobs import ExecutionSpec, UsageError, first_line, short
 
 try:  # only --tasks needs lm-eval (these parts load in a fraction of a second)
     import jinja2  # a dependency of lm-eval (and of transformers' chat templates)
@@ -81,8 +82,9 @@ class JaxLM(TemplateLM):
         self._max_gen_toks = max_gen_toks  # lm-eval's HF model uses 256 when a task sets none
         # transformers' tokenizer where there is one: lm-eval reads its chat template and tokens
         self.tokenizer = getattr(inference.tokenizer, "tok", None)
-        self.prefix_text = self.token_text(self.prefix_token_id)
-        self.eos_text = self.token_text(self.eot_token_id)
+        bos, eos = self.encoding.bos_token_id, self.encoding.eos_token_id
+        self.prefix_text = self.token_text(bos if bos is not None else eos)  # prefix_token_id, where there is one
+        self.eos_text = self.token_text(eos)
 
     @property
     def eot_token_id(self) -> int:
@@ -120,7 +122,8 @@ class JaxLM(TemplateLM):
 
     def apply_chat_template(self, chat_history: List[Dict[str, str]], add_generation_prompt: bool = True) -> str:
         """The conversation as text through the tokenizer's template; a template that refuses
-        system messages gets the conversation without them (as lm-eval's HF model)."""
+        system messages gets the conversation without them (as lm-eval's HF model). One that
+        fails then too is the user's to fix: one line."""
         def render(messages: List[Dict[str, str]]) -> str:
             return self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt,
@@ -128,7 +131,11 @@ class JaxLM(TemplateLM):
         try:
             return render(chat_history)
         except jinja2.exceptions.TemplateError:
+            pass
+        try:
             return render([m for m in chat_history if m["role"] != "system"])
+        except Exception as e:  # the template is the user's code: whatever it raises
+            raise UsageError(f"--apply-chat-template: the tokenizer's chat template fails ({first_line(e)})") from None
 
     def get_model_info(self) -> Dict[str, Any]:
         """What lm-eval records about the model in its results' "config"."""
@@ -137,14 +144,19 @@ class JaxLM(TemplateLM):
 
     # --- the three request types
 
+    def loglikelihood(self, requests: List[Any], disable_tqdm: bool = False) -> List[Tuple[float, bool]]:
+        """TemplateLM's (it encodes each context and continuation), its bar off under --quiet."""
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm or self.inference.quiet)
+
     def _loglikelihood_tokens(self, requests: List[Tuple[Tuple[str, str], List[int], List[int]]],
                               disable_tqdm: bool = False, **kwargs: Any) -> List[Tuple[float, bool]]:
         """(log-probability, is_greedy) of each continuation, given ((context, continuation)
         texts, context ids, continuation ids) as TemplateLM.loglikelihood encodes them;
         is_greedy: every continuation token is the argmax prediction."""
-        batch = (Request(i, list(context), list(continuation)) for i, (_, context, continuation) in enumerate(requests))
+        batch = (Request(i, list(context), list(checked_continuation(texts, continuation)))
+                 for i, (texts, context, continuation) in enumerate(requests))
         scored = self.inference.progress(self.inference.loglikelihood(batch), "loglikelihood", len(requests))
-        return [(s.logprob, s.correct == s.tokens) for _, s in scored]
+        return [(finite(s.logprob), s.correct == s.tokens) for _, s in scored]
 
     def loglikelihood_rolling(self, requests: List[Any], disable_tqdm: bool = False) -> List[float]:
         """The summed log-likelihood of each whole text, every token scored once after one
@@ -153,7 +165,7 @@ class JaxLM(TemplateLM):
         documents = (self.encoding.encode(request.args[0], add_special_tokens=False) for request in requests)
         windows = self.inference.progress(self.inference.loglikelihood_rolling(documents), "loglikelihood_rolling",
                                           len(requests))
-        return [sum(s.logprob for s in document) for document in windows]
+        return [finite(sum(s.logprob for s in document)) for document in windows]
 
     def generate_until(self, requests: List[Any], disable_tqdm: bool = False) -> List[str]:
         """Each request's continuation, cut at the first of its `until` strings (the EOS text
@@ -186,10 +198,30 @@ class JaxLM(TemplateLM):
         until = handle_stop_sequences(kwargs["until"], eos=self.eos_text)
         if not (kwargs["do_sample"] and kwargs["temperature"] > 0):
             return Decoding(n_new, 0.0, 1.0, until)
-        top_p = float(kwargs.get("top_p", 1.0))
+        top_p, temperature = float(kwargs.get("top_p", 1.0)), float(kwargs["temperature"])
         if not 0 < top_p <= 1:
             raise UsageError(f"generation_kwargs top_p must be in (0, 1], got {top_p}")
-        return Decoding(n_new, float(kwargs["temperature"]), top_p, until)
+        if not MIN_TEMPERATURE <= temperature < math.inf:
+            raise UsageError(f"generation_kwargs temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, inf), "
+                             f"got {temperature:g}")
+        return Decoding(n_new, temperature, top_p, until)
+
+
+def checked_continuation(texts: Tuple[str, str], continuation: List[int]) -> List[int]:
+    """A request's continuation ids, refused when there are none: the continuation's text
+    joined the context's last token (lm-eval's HF model asserts it never happens)."""
+    if not continuation:
+        context, text = texts
+        raise UsageError(f"lm-eval: the continuation {short(text)} adds no token to the context ending "
+                         f"{short(context[-40:])}; an empty continuation has nothing to score")
+    return continuation
+
+
+def finite(logprob: float) -> float:
+    """A log-likelihood for lm-eval, refused when it is NaN or infinite (broken weights)."""
+    if not math.isfinite(logprob):
+        raise UsageError(f"lm-eval: a non-finite log-likelihood ({logprob}) (broken weights?)")
+    return logprob
 
 
 # ----------------------------------------------------------------------------- running the tasks
@@ -267,12 +299,13 @@ def evaluate_tasks(lm: JaxLM, cfg: Any) -> Dict[str, Any]:
         logging.getLogger("lm_eval").setLevel(logging.ERROR)
     os.environ.setdefault("DISABLE_MULTIPROC", "1")  # else lm-eval's bootstrap forks this JAX process
     names = task_names(c.tasks)
-    with hf_evaluate_importable():
+    with hf_evaluate_importable(), missing_modules_refused():
         manager = task_manager(names, c.include_path)
         check_task_names(manager, names, c.include_path)
+        built = build_tasks(manager, names, c.num_fewshot)
         lengths = {"max_gen_toks": c.max_new_tokens} if c.max_new_tokens else None  # over the tasks' own
         out = lm_eval.simple_evaluate(
-            model=lm, tasks=names, task_manager=manager, num_fewshot=c.num_fewshot,
+            model=lm, tasks=built, task_manager=manager, num_fewshot=c.num_fewshot,
             fewshot_random_seed=c.fewshot_seed, apply_chat_template=c.apply_chat_template,
             fewshot_as_multiturn=c.apply_chat_template, limit=c.limit, log_samples=c.log_samples,
             bootstrap_iters=c.bootstrap_iters, gen_kwargs=lengths)
@@ -281,6 +314,50 @@ def evaluate_tasks(lm: JaxLM, cfg: Any) -> Dict[str, Any]:
                          model_args={"pretrained": c.ckpt, "dtype": c.dtype, "mesh": mesh,
                                      "processes": jax.process_count()})
     return out
+
+
+@contextlib.contextmanager
+def missing_modules_refused() -> Iterator[None]:
+    """A module that cannot be imported, named by a task's YAML (`!function utils.f`) or
+    needed by its metrics: the user's to write or install, so one line, not a traceback."""
+    try:
+        yield
+    except ImportError as e:
+        raise UsageError(f"--tasks: {first_line(e)} (a task's !function, or a package its metrics need)") from None
+
+
+def build_tasks(manager: Any, names: List[str], num_fewshot: Optional[int]) -> List[Any]:
+    """lm-eval's Task and Group objects of the names asked for (a group, not also its
+    members), built once: simple_evaluate takes them as they are. Each task's few-shot
+    documents are counted first (check_fewshot)."""
+    built = []
+    for name in names:
+        loaded = manager.load(name)
+        members = {child for group in loaded["groups"].values() for child in group.child_names}
+        built += [item for key, item in {**loaded["groups"], **loaded["tasks"]}.items() if key not in members]
+        for task in loaded["tasks"].values():
+            check_fewshot(task, num_fewshot)
+    return built
+
+
+def check_fewshot(task: Any, num_fewshot: Optional[int]) -> None:
+    """A task must hold the few-shot documents it will draw (one more when they come from the
+    split it is evaluated on, so that the document itself can be left out): lm-eval would
+    stop in random.sample ("Sample larger than population"), naming neither task nor count.
+    The number of shots is the one simple_evaluate sets: --num-fewshot, unless the task's
+    own is 0."""
+    if not hasattr(task, "fewshot_cfg"):  # not a YAML task (ConfigurableTask): lm-eval draws its own way
+        return
+    shots = task.get_config("num_fewshot")
+    if num_fewshot is not None and shots != 0:
+        shots = num_fewshot
+    if not shots:
+        return
+    same = task.fewshot_cfg.split == task.config.test_split
+    pool = len(task.sampler.fewshot_docs()) if hasattr(task, "sampler") else 0
+    if shots + same > pool:
+        raise UsageError(f"--tasks: {task.task_name} asks for {shots} few-shot examples but has {pool} few-shot "
+                         f"documents{' (the one asked about among them)' if same else ''}; lower --num-fewshot")
 
 
 # ----------------------------------------------------------------------------- lm-eval's files and results.json
@@ -304,10 +381,10 @@ def task_entries(out: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
             if not filter_name or metric.endswith("_stderr") or not isinstance(value, (int, float)):
                 continue  # alias, name, sample_len, and the stderrs (next to their metric below)
             name, stderr = f"{task}/{key}", scores.get(f"{metric}_stderr,{filter_name}")
-            entries["results"][name] = value
+            entries["results"][name] = value if math.isfinite(value) else None  # NaN is no JSON
             entries["higher_is_better"][name] = out["higher_is_better"].get(task, {}).get(metric)
             entries["n_samples"][name] = task_samples(out, task)
-            entries["stderr"][name] = stderr if isinstance(stderr, (int, float)) else None  # "N/A"
+            entries["stderr"][name] = stderr if isinstance(stderr, (int, float)) and math.isfinite(stderr) else None
             entries["kind"][name] = "lm-eval"
             entries["metrics"][name] = {"n-shot": out["n-shot"].get(task), "version": out["versions"].get(task)}
     return entries

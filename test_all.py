@@ -852,7 +852,9 @@ def test_gen_stop_strings_per_line_and_from_the_command_line(small, tmp_path):
     full = [r["output"] for r in evaluate.RolloutEvaluation("g", prompts, 8, stop=()).result(ev, ev.tokenizer).records]
     assert all(len(text) >= 3 for text in full), full
     cut = lambda text, stop: text[:text.index(stop)]  # at the first occurrence
-    stop, until = full[0][1], full[1][1:3]  # both occur in those texts
+    # n characters of a text whose first occurrence is past its start: an answer cut there is not empty
+    inside = lambda text, n: next(text[i:i + n] for i in range(1, len(text)) if text.index(text[i:i + n]) > 0)
+    stop, until = inside(full[0], 1), inside(full[1], 2)  # both occur in those texts
     lines = [{**prompts[0], "answer": cut(full[0], stop)},  # the --stop strings
              {**prompts[1], "until": [until, "never"], "answer": cut(full[1], until)},  # its own
              {**prompts[2], "until": [], "answer": full[2]},  # none at all
@@ -2099,9 +2101,11 @@ def assert_usage_error(proc, *needles, out=None):
 
 # `python evaluate.py ARGS` for many ARGS in one interpreter: the command line's own main()
 # (parse, validate, load, run, exit status) without Python's and jax's start-up (4 s) per
-# case. A {"write": PATH, "text": TEXT} step rewrites a file between runs and a {"fsize": N}
-# step caps the size of files written (a full disk; None lifts the cap). A case still
-# running after 20 s is stopped and reported, so a wait on a FIFO fails the test.
+# case. A {"write": PATH, "text": TEXT} step rewrites a file between runs, a {"fsize": N}
+# step caps the size of files written (a full disk; None lifts the cap), and an
+# {"after_keep": PATH, "text": TEXT, "mode": "a" or "w"} step writes a file while the next run
+# goes on, once it has kept its first evaluation. A case still running after 20 s is
+# stopped and reported, so a wait on a FIFO fails the test.
 DRIVER = r"""
 import contextlib, io, json, os, resource, signal, sys, time
 resource.setrlimit(resource.RLIMIT_AS, (16 << 30, 16 << 30))  # a blow-up fails the test, not the machine
@@ -2115,10 +2119,22 @@ def stop(signum, frame):
     raise StillRunning("still running after 20 s")
 
 signal.signal(signal.SIGALRM, stop)
+keep_finished = evaluate.keep_finished
+
+def write_after_keep(change):
+    def keep_then_write(*args):
+        keep_finished(*args)
+        evaluate.keep_finished = keep_finished  # once
+        open(change["after_keep"], change["mode"]).write(change["text"])
+    evaluate.keep_finished = keep_then_write
+
 outcomes = []
 for case in json.loads(sys.stdin.read()):
     if isinstance(case, dict) and "write" in case:
         open(case["write"], "w").write(case["text"])
+        continue
+    if isinstance(case, dict) and "after_keep" in case:
+        write_after_keep(case)
         continue
     if isinstance(case, dict):
         limit = resource.RLIM_INFINITY if case["fsize"] is None else case["fsize"]
@@ -2141,11 +2157,11 @@ def driver_env(devices=1):
     return child_env(devices)
 
 
-def cli_many(*cases, devices=1, compile_cache=True):
+def cli_many(*cases, devices=1, compile_cache=True, env=None):
     """Run DRIVER over `cases` (each a list of arguments, or a step); one outcome (returncode,
     stderr, seconds) per run, in order. compile_cache False: no persistent compilation cache
-    (a capped file size would fail its writes too)."""
-    env = driver_env(devices)
+    (a capped file size would fail its writes too); env: more environment variables."""
+    env = {**driver_env(devices), **(env or {})}
     if not compile_cache:
         env.pop("JAX_COMPILATION_CACHE_DIR")
     cases = [case if isinstance(case, dict) else [str(a) for a in case] for case in cases]
@@ -2283,12 +2299,6 @@ def test_awkward_inputs_are_handled_and_counted(ckpt, tmp_path):
     assert results["metrics"]["long"]["truncated"] == 1
 
 
-def test_non_finite_scores_are_an_error(tmp_path):
-    broken = save_tiny(tmp_path / "nan", scale=float("nan"))
-    assert_usage_error(cli("--ckpt", broken, "--evals", "text", "--limit", "4", "--out", tmp_path / "o"),
-                       "text", "non-finite", out=tmp_path / "o")
-
-
 def long_run_args(ckpt, tmp_path, out):
     docs = write_jsonl(tmp_path / "many.jsonl", [{"text": f"document {i} " * 30} for i in range(3000)])
     return ["--ckpt", ckpt, "--data", f"ppl:{docs}", "--out", out, "--batch-size", "1", "--chunks", "1"]
@@ -2325,7 +2335,8 @@ def test_interrupted_run_leaves_previous_results_or_none(ckpt, tmp_path, sig, pr
         assert proc.returncode == 130 and err.strip().splitlines()[-1].startswith("interrupted"), err
         assert "Traceback" not in err
     files = sorted(p.name for p in out.iterdir()) if out.exists() else []
-    assert files == ([] if previous is None else ["results.json"]), files  # no temporary left
+    left = [".lock"] if sig == signal.SIGKILL else []  # unlocked: the next run takes it, and removes it
+    assert files == left + ([] if previous is None else ["results.json"]), files  # no temporary left
     if previous is not None:
         assert (out / "results.json").read_bytes() == previous
 
@@ -2750,3 +2761,241 @@ def test_files_that_are_not_regular_are_refused_without_waiting(ckpt, tmp_path):
     for (args, kind), proc in zip(cases, outcomes):
         assert_usage_error(proc, kind, "not a regular file")
         assert proc.seconds < 10, proc.seconds
+
+
+# ---- trust at the edges: ids beyond the embedding, non-finite scores, what a tokenizer
+# cannot score, tiny temperatures, data that changes under a run, an output directory
+# inside a checkpoint, signals between paired writes, one run per output directory, and
+# lm-eval tasks that fail as one line
+
+def with_tokenizer_file(hf_dir, target, name, change):
+    """A copy of a HuggingFace directory, change(JSON) applied to one of its tokenizer files."""
+    shutil.copytree(hf_dir, target)
+    config = json.loads((target / name).read_text())
+    change(config)
+    (target / name).write_text(json.dumps(config))
+    return target
+
+
+def joined_pair(tokenizer):
+    """(context, choice) that the tokenizer encodes as one token once joined, the context
+    alone as several: "hel" and "lo" where "hello" is one token."""
+    for text, token in sorted(tokenizer.tok.get_vocab().items()):
+        if text.isalpha() and len(text) > 2 and tokenizer.encode(text) == [token] \
+                and len(tokenizer.encode(text[:-1])) > 1:
+            return text[:-1], text[-1]
+    raise AssertionError("no such token in the vocabulary")
+
+
+def test_what_cannot_be_scored_is_refused_at_once(ckpt, hf_gpt2, tmp_path):
+    """Each refused with one line, nothing written:
+    - a vocabulary entry beyond the embedding (len() still fits), once the checkpoint is
+      loaded, naming the id and the rows; NaN in the weights as they are read, naming the
+      tensor, whatever the kind (gen too);
+    - finite weights whose logits overflow, at the first sample of every kind that scores
+      (so samples.jsonl never holds bare NaN); a perplexity beyond float range (it ended in
+      OverflowError);
+    - a choice the tokenizer joins to its context (an empty continuation scores 0.0 and
+      always wins), naming file, line and choice; a blank gen answer (an empty output
+      would match it); a document when the tokenizer has neither BOS nor EOS (it was given
+      token 0), while multiple choice on non-empty contexts still runs;
+    - temperatures whose logits / T overflow float32, with the range;
+    - and an error naming a tensor of 100,000 characters is one line of at most 1,000."""
+    beyond = with_tokenizer_file(hf_gpt2, tmp_path / "beyond", "tokenizer.json",
+                                 lambda t: t["model"]["vocab"].update({"hello": 5000}))
+    no_prefix = with_tokenizer_file(hf_gpt2, tmp_path / "noprefix", "tokenizer_config.json",
+                                    lambda c: [c.pop(key) for key in ("bos_token", "eos_token")])
+    nan = save_tiny(tmp_path / "nan", scale=float("nan"))
+    overflow = with_tensors(ckpt, tmp_path / "overflow",  # finite, but the logits are not
+                            lambda t: t.update({"wte/embedding": np.full_like(t["wte/embedding"], 3e38)}))
+    huge = save_tiny(tmp_path / "huge", scale=1e6)  # finite logits around 1e12: perplexity exp(1e10)
+    long_name = with_tensors(ckpt, tmp_path / "long", lambda t: t.update({"x" * 100_000: np.ones(1, np.float32)}))
+    context, joined = joined_pair(HFTokenizer(str(hf_gpt2)))
+    mc = write_jsonl(tmp_path / "mc.jsonl", MC)
+    glued = write_jsonl(tmp_path / "glued.jsonl", [{"context": "the cat", "choices": [" sees", " see"], "gold": 0},
+                                                   "\n", {"context": context, "choices": [" world", joined], "gold": 0}])
+    blank = write_jsonl(tmp_path / "gen.jsonl", [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": " \t"}])
+    cases = [(beyond, ["--evals", "grammar"], ["the tokenizer's ids reach 5000", "embedding of 384 rows"]),
+             (nan, ["--evals", "addition"], ["model.safetensors: tensor", "holds NaN or infinite values"]),
+             (overflow, ["--evals", "text"], ["evaluation text: non-finite log-likelihood at sample 0"]),
+             (overflow, ["--evals", "repeat"], ["evaluation repeat: non-finite log-likelihood"]),
+             (overflow, ["--data", f"mc:{mc}"], [f"non-finite loglik at {mc}:1"]),
+             (huge, ["--evals", "text"], ["evaluation text: non-finite score"]),
+             (hf_gpt2, ["--data", f"mc:{glued}"], [f"{glued}:3: choice 1 {joined!r} adds no token to the context"]),
+             (hf_gpt2, ["--data", f"gen:{blank}"], [f"{blank}:2: 'answer' is empty or only whitespace"]),
+             (no_prefix, ["--evals", "text"], ["neither a BOS nor an EOS token"]),
+             (ckpt, ["--temperature", "1e-40"], ["--temperature must be 0 (greedy) or in [1e-06, inf)", "got 1e-40"]),
+             (ckpt, ["--temperature", "1e-38"], ["got 1e-38"]),
+             (long_name, ["--evals", "grammar"], ["does not use", "characters cut"])]
+    *outcomes, choices = cli_many(*(["--ckpt", path, *args, "--limit", "2", "--log-samples", "--out", tmp_path / "o"]
+                                    for path, args, _ in cases),
+                                  ["--ckpt", no_prefix, "--evals", "grammar", "--limit", "2", "--out", tmp_path / "mc"])
+    for (_, _, needles), proc in zip(cases, outcomes):
+        assert_usage_error(proc, *needles, out=tmp_path / "o")
+    assert len(outcomes[-1].stderr.strip()) <= len("error: ") + jobs.MAX_ERROR_LINE < 100_000
+    assert choices.returncode == 0, choices.stderr[-2000:]
+
+
+def test_a_run_reads_what_it_checked_and_writes_only_its_out(ckpt, hf_gpt2, tmp_path):
+    """A --data file appended once the first evaluation is kept: the new lines are never
+    read, n_samples and the fingerprint are those of the lines checked (the same command
+    afterwards sees other data); rewritten meanwhile: one line, nothing written of it.
+    Tokenizer files are found by exact names: --out CKPT/tokenizer_eval is none, and the
+    checkpoint reads and fingerprints as before (its chat template counted); an --out named
+    as a file the checkpoint is read from is refused; so is one that access() calls
+    writable but that is not (/sys/fs as root), before anything is computed."""
+    lines = [{"text": f"document {i}"} for i in range(40)]
+    appended, rewritten = write_jsonl(tmp_path / "appended.jsonl", lines), write_jsonl(tmp_path / "rewritten.jsonl", lines)
+    checked = {"bytes": appended.stat().st_size, "sha256": hashlib.sha256(appended.read_bytes()).hexdigest()}
+    model = tmp_path / "ck"
+    shutil.copytree(hf_gpt2, model)
+    (model / "chat_template.jinja").write_text(CHAT_TEMPLATE)  # a tokenizer file too
+    run = ["--evals", "grammar", "--limit", "40", "--quiet"]
+    on_model = ["--ckpt", model, "--evals", "grammar", "--limit", "2", "--quiet"]
+    unwritable = ["/sys/fs"] if os.access("/sys/fs", os.W_OK) else []  # root: sysfs takes no new files
+    first, again, changed, inside, elsewhere, weights, tokenizer, *sys_fs = cli_many(
+        {"after_keep": str(appended), "mode": "a", "text": '{"text": "added later"}\n' * 500},
+        ["--ckpt", ckpt, *run, "--data", f"ppl:{appended}", "--out", tmp_path / "a"],
+        ["--ckpt", ckpt, *run, "--data", f"ppl:{appended}", "--out", tmp_path / "a"],
+        {"after_keep": str(rewritten), "mode": "w", "text": rewritten.read_text().replace("document 7", "DOCUMENT 7")},
+        ["--ckpt", ckpt, *run, "--data", f"ppl:{rewritten}", "--out", tmp_path / "r"],
+        on_model + ["--out", model / "tokenizer_eval"], on_model + ["--out", tmp_path / "elsewhere"],
+        on_model + ["--out", model / "eval.safetensors"], on_model + ["--out", model / "tokenizer.json" / "x"],
+        *(on_model + ["--out", out] for out in unwritable))
+    assert first.returncode == 0, first.stderr[-2000:]
+    results = json.loads((tmp_path / "a" / "results.json").read_text())
+    assert results["n_samples"]["appended"] == 40 and len(appended.read_text().splitlines()) == 540
+    assert {k: results["fingerprint"]["datasets"]["appended"][k] for k in checked} == checked
+    assert_usage_error(again, "holds another run", "datasets.appended.bytes")
+    assert_usage_error(changed, f"{rewritten} changed while this run read it", out=tmp_path / "r")
+    assert sorted(files_of(tmp_path / "r")) == [".resume.json"]  # grammar kept, for the next try
+    assert inside.returncode == 0 and elsewhere.returncode == 0, (inside.stderr[-2000:], elsewhere.stderr[-2000:])
+    fingerprints = [json.loads((d / "results.json").read_text())["fingerprint"]["model"]
+                    for d in (model / "tokenizer_eval", tmp_path / "elsewhere")]
+    assert fingerprints[0] == fingerprints[1]
+    assert set(fingerprints[0]["files"]) == {"config.json", "model.safetensors", "tokenizer.json",
+                                             "tokenizer_config.json", "chat_template.jinja"}
+    assert_usage_error(weights, "'eval.safetensors' in checkpoint", "would be read as one of its files")
+    assert_usage_error(tokenizer, "'tokenizer.json' in checkpoint")
+    for proc in sys_fs:  # root, where access() says yes and the file system no
+        assert_usage_error(proc, "the output directory /sys/fs is not writable")
+        assert proc.seconds < 5, proc.seconds
+
+
+# `python evaluate.py ARGS` stopped at an exact point of its writes, as real signals hit
+# these windows only by chance: "mkstemp" sends SIGTERM once the temporary of samples.jsonl
+# exists and before write_temporary has returned; "renames" sends it right after the new
+# samples.jsonl is renamed into place, before results.json is, and then waits there until
+# the file FLAG exists (FLAG.stalled says that it waits).
+SIGNAL_AT = r"""
+import os, signal, sys, tempfile, time
+import evaluate
+where, flag, args = sys.argv[1], sys.argv[2], sys.argv[3:]
+mkstemp, replace = tempfile.mkstemp, os.replace
+
+def mkstemp_then_sigterm(*a, **k):
+    made = mkstemp(*a, **k)
+    if k.get("prefix") == ".samples.jsonl.":
+        os.kill(os.getpid(), signal.SIGTERM)
+    return made
+
+def replace_then_sigterm(source, target):
+    replace(source, target)
+    if str(target).endswith("samples.jsonl"):
+        os.kill(os.getpid(), signal.SIGTERM)
+        open(flag + ".stalled", "w").close()
+        while not os.path.exists(flag):
+            time.sleep(0.02)
+
+if where == "mkstemp":
+    tempfile.mkstemp = mkstemp_then_sigterm
+else:
+    os.replace = replace_then_sigterm
+sys.exit(evaluate.main(args))
+"""
+
+
+def start_signalled(where, flag, *args):
+    return subprocess.Popen([sys.executable, "-c", SIGNAL_AT, where, str(flag), *map(str, args)], cwd=ROOT,
+                            env=driver_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_signals_between_paired_writes_and_a_second_run_into_the_same_out(ckpt, tmp_path):
+    """SIGTERM right after the temporary is made, and between the two renames: exit 143 with
+    one line, no temporary left, and the pair either the previous one or the new one, never
+    mixed. While a run holds --out (stalled between its renames), a second run into it is
+    refused naming the holder's pid, and the holder's pair is not mixed with the second's.
+    The lock is gone once the run ends; a temporary that a killed run left is removed by the
+    next run."""
+    run = ["--ckpt", ckpt, "--evals", "grammar", "--log-samples", "--quiet", "--limit", "2", "--force"]
+    made, cut = tmp_path / "made", tmp_path / "cut"
+    for out in (made, cut):  # an earlier run's pair
+        out.mkdir()
+        (out / "results.json").write_bytes(PREVIOUS)
+        (out / "samples.jsonl").write_text('{"eval": "earlier"}\n')
+    previous = files_of(made)
+    (made / ".results.json.k1ll3d_x.tmp").write_text("left by a run killed with SIGKILL")
+    flag = tmp_path / "go"
+    at_mkstemp = start_signalled("mkstemp", flag, *run, "--out", made)
+    between = start_signalled("renames", flag, *run, "--out", cut)
+    deadline = time.time() + 120
+    while not Path(f"{flag}.stalled").exists() and between.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    holder = (cut / ".lock").read_text()
+    second, = cli_many(run + ["--out", cut])
+    flag.touch()
+    for proc in (at_mkstemp, between):
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 143 and err.strip().splitlines() == ["terminated: nothing partial was written"], err
+    assert holder.startswith(f"pid {between.pid} on ")
+    assert_usage_error(second, f"another run is writing to {cut} (pid {between.pid} on", "choose another --out")
+    assert files_of(made) == previous  # the previous pair, the killed run's temporary removed
+    results = json.loads((cut / "results.json").read_text())
+    samples = (cut / "samples.jsonl").read_text().splitlines()
+    assert sorted(files_of(cut)) == ["results.json", "samples.jsonl"]  # no temporary, no lock
+    assert results["n_samples"]["grammar"] == len(samples) == 2  # the new pair, whole
+
+
+@pytest.mark.skipif(lm_eval is None, reason="needs lm-evaluation-harness (pip install lm-eval==0.4.13)")
+def test_lm_eval_tasks_that_cannot_run_fail_with_one_line(hf_gpt2, tmp_path):
+    """Exit 2 and one line, not a traceback: a task whose `!function` names no module, more
+    few-shot examples than a task has (lm-eval itself stops in random.sample), a chat
+    template that raises (again without the system turn), a continuation the tokenizer
+    joins to its context, a task sampling at a temperature that overflows float32. The
+    other libraries' progress bars are off, so that stderr holds only our line."""
+    task_dir = tmp_path / "tasks"
+    task_dir.mkdir()
+    context, joined = joined_pair(HFTokenizer(str(hf_gpt2)))
+    qa = write_jsonl(tmp_path / "qa.jsonl", [{"q": "2 + 2 =", "a": " 4"}, {"q": "1 + 1 =", "a": " 2"}])
+    glued = write_jsonl(tmp_path / "glued.jsonl", [{"q": context, "a": joined}])
+
+    def task(name, data=qa, **fields):
+        config = {"task": name, "dataset_path": "json", "dataset_name": None, "test_split": "test",
+                  "dataset_kwargs": {"data_files": {"test": str(data), "train": str(data)}},
+                  "output_type": "loglikelihood", "doc_to_text": "q", "doc_to_target": "a",
+                  "metric_list": [{"metric": "acc"}], **fields}
+        (task_dir / f"{name}.yaml").write_text(json.dumps(config))  # JSON is YAML
+    task("few", fewshot_split="train")
+    task("glued", glued, target_delimiter="")
+    task("sampled", output_type="generate_until", metric_list=[{"metric": "exact_match"}],
+         generation_kwargs={"until": ["\n"], "do_sample": True, "temperature": 1e-40, "max_gen_toks": 4})
+    (task_dir / "missing.yaml").write_text("task: missing\ndataset_path: json\ndataset_name: null\n"
+                                           f"dataset_kwargs:\n  data_files:\n    test: {qa}\ntest_split: test\n"
+                                           "output_type: loglikelihood\ndoc_to_text: q\ndoc_to_target: a\n"
+                                           "process_results: !function no_such_module.process_results\n"
+                                           "metric_list:\n  - metric: acc\n")
+    chat = tmp_path / "chat"
+    shutil.copytree(hf_gpt2, chat)
+    (chat / "chat_template.jinja").write_text("{{ raise_exception('no ' + messages[0]['role'] + ' turns here') }}")
+    run = ["--include-path", task_dir, "--out", tmp_path / "o", "--quiet"]
+    cases = [(["--ckpt", hf_gpt2, "--tasks", "missing"], ["--tasks:", "no_such_module"]),
+             (["--ckpt", hf_gpt2, "--tasks", "few", "--num-fewshot", "5"],
+              ["--tasks: few asks for 5 few-shot examples but has 2 few-shot documents"]),
+             (["--ckpt", chat, "--tasks", "few", "--apply-chat-template"],
+              ["--apply-chat-template: the tokenizer's chat template fails", "no user turns here"]),
+             (["--ckpt", hf_gpt2, "--tasks", "glued"], [f"the continuation {joined!r} adds no token to the context"]),
+             (["--ckpt", hf_gpt2, "--tasks", "sampled"], ["temperature must be 0 (greedy) or in [1e-06, inf)"])]
+    outcomes = cli_many(*(args + run for args, _ in cases),
+                        env={"TQDM_DISABLE": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"})
+    for (_, needles), proc in zip(cases, outcomes):
+        assert_usage_error(proc, *needles, out=tmp_path / "o")
