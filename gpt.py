@@ -5,23 +5,27 @@ This file stands alone: copy it into another project and it still works.
     python gpt.py            # builds the default tiny GPT on CPU, prints its size and a greedy sample
 
 Reading order, bottom-up like nanoGPT: dtypes -> Module (sharding plan, flops,
-components/gather) -> Linear, Norm -> rotary embeddings -> Attention -> MLP -> Block
--> GPT -> KV-cache generation -> mesh helpers.
+components/gather) -> Linear, Norm -> rotary embeddings -> Attention -> MLP, MoE ->
+Block -> GPT -> KV-cache generation -> mesh helpers.
 
 One GPT covers several HuggingFace families. What makes each family different is a
 handful of fields (see FAMILIES at the bottom of the GPT section): norm kind, MLP kind,
-key/value heads, rotary fraction and base, biases, q/k norm, parallel residual, and tied
-or separate unembedding; Gemma adds (1 + w) norms, norms after each sublayer too, and an
-embedding scaled by sqrt(width). Per checkpoint, from its config: rope scaling (Llama 3.x),
-sliding-window layers with their own rotary base (Mistral, Gemma 3), the query scale and
-soft-capped logits (Gemma).
+key/value heads, rotary fraction and base, biases, q/k norm (per head or over all heads),
+parallel residual, and tied or separate unembedding; Gemma adds (1 + w) norms, norms after
+each sublayer too, and an embedding scaled by sqrt(width); OLMo 2 norms only after. Per
+checkpoint, from its config: rope scaling (Llama 3.x, Phi's longrope), sliding-window
+layers with their own rotary base (Mistral, Gemma), the query scale and soft-capped
+attention scores and logits (Gemma), Granite's multipliers, and a mixture of experts
+(Mixtral, Qwen-MoE, OLMoE) whose experts the plan splits over the mesh.
 
 Shapes are in the names: B batch, T query length, S key length (cache slots), D model
-width, H query heads, K key/value heads, E head width, F MLP width, V vocabulary, L layers.
+width, H query heads, K key/value heads, E head width, F MLP width, V vocabulary, L layers,
+X experts, A experts active per token.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from typing import Any, List, NamedTuple, Optional, Tuple, Type
@@ -170,6 +174,9 @@ class Norm(Module):
 # ----------------------------------------------------------------------------- attention
 
 
+ROPE_SCALINGS = ("linear", "llama3", "longrope")
+
+
 def rope_frequencies(rot: int, base: float, scaling: Optional[Tuple[Any, ...]] = None) -> jax.Array:
     """The rot/2 rotary frequencies (radians per position), float32, as transformers
     computes them. `scaling` stretches them for contexts longer than the pretraining one:
@@ -179,14 +186,24 @@ def rope_frequencies(rot: int, base: float, scaling: Optional[Tuple[Any, ...]] =
         2 pi / f longer than original_context / low_freq_factor are divided by factor, those
         shorter than original_context / high_freq_factor kept, and those in between blend
         the two with s = (original_context / wavelength - low) / (high - low).
+    ("longrope", original_context, attention_factor, *short_factors): frequency i divided by
+        short_factors[i] (Phi-3.5, Phi-4-mini), and cos/sin scaled by attention_factor (see
+        rotary). These are the factors transformers uses for sequences of at most
+        original_context tokens; longer ones, where it switches every position to the long
+        factors, are refused (GPT.check_length).
     """
     inv_freq = 1.0 / (base ** (jnp.arange(0, rot, 2, dtype=jnp.float32) / rot))
     if scaling is None:
         return inv_freq
     if scaling[0] == "linear":
         return inv_freq / scaling[1]
+    if scaling[0] == "longrope":
+        if len(scaling) - 3 != rot // 2 or not (scaling[1] >= 1 and scaling[2] > 0):
+            raise ValueError(f"longrope needs an original context, an attention factor and {rot // 2} short "
+                             f"factors (one per rotated pair), got {len(scaling) - 1} numbers")
+        return inv_freq / jnp.asarray(scaling[3:], jnp.float32)
     if scaling[0] != "llama3":
-        raise ValueError(f"unknown rope scaling {scaling[0]!r}; choose linear or llama3")
+        raise ValueError(f"unknown rope scaling {scaling[0]!r}; choose {', '.join(ROPE_SCALINGS)}")
     factor, low, high, original = scaling[1:]
     wavelength = 2 * math.pi / inv_freq
     long = jnp.where(wavelength > original / low, inv_freq / factor, inv_freq)
@@ -205,6 +222,8 @@ def rotary(x_BTHE: jax.Array, pos_BT: jax.Array, fraction: float, base: float,
     angle_BTR = pos_BT[..., None].astype(jnp.float32) * inv_freq[None, None, :]
     angle_BTR = jnp.concatenate([angle_BTR, angle_BTR], -1)[:, :, None, :]  # one per head
     cos, sin = jnp.cos(angle_BTR), jnp.sin(angle_BTR)
+    if scaling is not None and scaling[0] == "longrope":  # transformers scales cos and sin, so q.k by its square
+        cos, sin = cos * scaling[2], sin * scaling[2]
     x_rot, x_pass = x_BTHE[..., :rot].astype(jnp.float32), x_BTHE[..., rot:]
     half1, half2 = jnp.split(x_rot, 2, axis=-1)
     rotated = x_rot * cos + jnp.concatenate([-half2, half1], -1) * sin
@@ -212,9 +231,10 @@ def rotary(x_BTHE: jax.Array, pos_BT: jax.Array, fraction: float, base: float,
 
 
 def attend(q_BTHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allowed_BTS: jax.Array,
-           scale: Optional[float] = None) -> jax.Array:
+           scale: Optional[float] = None, softcap: Optional[float] = None) -> jax.Array:
     """Softmax(q k^T * scale) v, each group of H/K query heads sharing one key/value head;
-    scale None means 1 / sqrt(E).
+    scale None means 1 / sqrt(E). With a softcap (Gemma 2) the scaled scores become
+    softcap * tanh(scores / softcap) before the mask, as transformers caps them.
 
     Keys and values come head-major, [B, K, S, E], the KV cache's own layout: both einsums
     are then batched over (B, K) with S and E where a matmul wants them, so XLA copies
@@ -228,6 +248,8 @@ def attend(q_BTHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allowed_BTS:
     q_BKGTE = q_BTHE.reshape(B, T, K, H // K, E).transpose(0, 2, 3, 1, 4)
     scores = jnp.einsum("bkgte,bkse->bkgts", q_BKGTE, k_BKSE, preferred_element_type=jnp.float32)
     scores = scores / math.sqrt(E) if scale is None else scores * scale
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
     scores = jnp.where(allowed_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_BKSE.dtype)
     return jnp.einsum("bkgts,bkse->btkge", probs, v_BKSE).reshape(B, T, H, E)
@@ -250,8 +272,10 @@ class AttentionConfig:
     rotary_fraction: float = 1.0
     rope_theta: float = 10000.0
     rope_scaling: Optional[Tuple[Any, ...]] = None  # see rope_frequencies
+    qk_norm_full: bool = False  # the q/k norm over all heads' width at once (OLMo 2), not per head
     window: Optional[int] = None  # a query sees itself and the window - 1 keys before it; None: all
     scale: Optional[float] = None  # of the scores q.k; None: 1 / sqrt(head_dim)
+    softcap: Optional[float] = None  # scores -> softcap * tanh(scores / softcap) (Gemma 2)
     dropout: float = 0.0
     residual_std: float = 0.02
 
@@ -288,7 +312,8 @@ class Attention(Module):
     With a layer cache (k_BKSE, v_BKSE), the new keys and values are written at `slot` and
     the queries attend over all S cache slots; `allowed_BTS` says which ones they may see
     (the caller includes this layer's window in it). allowed_BTS None means plain causal
-    attention within the layer's window (see attend_causal).
+    attention within the layer's window: the fused attend_causal, or, with a soft-cap that
+    jax.nn.dot_product_attention cannot apply, attend's einsums under the same causal mask.
     """
 
     cfg: AttentionConfig = AttentionConfig()
@@ -302,10 +327,10 @@ class Attention(Module):
         # GPT-2 scales the init of layers that write into the residual stream by 1/sqrt(2L)
         self.o = Linear(features=c.width, axes=("heads", "embed"), use_bias=c.out_bias,
                         init_std=c.residual_std, **dt)
-        if c.qk_norm:  # Qwen3: RMSNorm over each head's width, before rotary
-            norm = dict(kind="rmsnorm", eps=c.norm_eps, use_bias=False, axis_name="head_dim",
-                        offset=c.norm_offset, **dt)
-            self.q_norm, self.k_norm = Norm(**norm), Norm(**norm)
+        if c.qk_norm:  # Qwen3: RMSNorm over each head's width, before rotary; OLMo 2 over all heads'
+            norm = dict(kind="rmsnorm", eps=c.norm_eps, use_bias=False, offset=c.norm_offset, **dt)
+            q_axis, k_axis = ("heads", "kv_heads") if c.qk_norm_full else ("head_dim", "head_dim")
+            self.q_norm, self.k_norm = Norm(axis_name=q_axis, **norm), Norm(axis_name=k_axis, **norm)
         self.drop = nn.Dropout(c.dropout)
 
     def __call__(self, x_BTD: jax.Array, pos_BT: jax.Array, allowed_BTS: jax.Array,
@@ -317,11 +342,18 @@ class Attention(Module):
         q_BTHE = self.q(x_BTD).reshape(B, T, c.n_head, c.head_dim)
         k_BTKE = self.k(x_BTD).reshape(B, T, c.n_kv_head, c.head_dim)
         v_BTKE = self.v(x_BTD).reshape(B, T, c.n_kv_head, c.head_dim)
-        if c.qk_norm:
+        if c.qk_norm and c.qk_norm_full:  # OLMo 2: over all heads' width, the projection as it comes
+            q_BTHE = self.q_norm(q_BTHE.reshape(B, T, -1)).reshape(q_BTHE.shape)
+            k_BTKE = self.k_norm(k_BTKE.reshape(B, T, -1)).reshape(k_BTKE.shape)
+        elif c.qk_norm:
             q_BTHE, k_BTKE = self.q_norm(q_BTHE), self.k_norm(k_BTKE)
         if c.rope:
             q_BTHE = rotary(q_BTHE, pos_BT, c.rotary_fraction, c.rope_theta, c.rope_scaling)
             k_BTKE = rotary(k_BTKE, pos_BT, c.rotary_fraction, c.rope_theta, c.rope_scaling)
+        if allowed_BTS is None and c.softcap is not None:  # no fused kernel caps scores
+            allowed_BTS = causal_allowed(jnp.ones((1, T), bool), jnp.arange(T), jnp.arange(T))
+            if c.window is not None:
+                allowed_BTS = allowed_BTS & window_allowed(jnp.arange(T), jnp.arange(T), c.window)[None]
         if allowed_BTS is None:  # causal, no padding mask, no cache: the fused path
             y_BTHE = attend_causal(q_BTHE, k_BTKE, v_BTKE, c.scale, c.window)
         else:
@@ -331,7 +363,7 @@ class Attention(Module):
                 v_BKSE = jax.lax.dynamic_update_slice(kv[1], v_BKSE.astype(kv[1].dtype), (0, 0, slot, 0))
                 kv = (k_BKSE, v_BKSE)
             y_BTHE = attend(q_BTHE, k_BKSE.astype(q_BTHE.dtype), v_BKSE.astype(q_BTHE.dtype), allowed_BTS,
-                            c.scale)
+                            c.scale, c.softcap)
         y_BTD = self.o(y_BTHE.reshape(B, T, c.n_head * c.head_dim))
         return self.drop(y_BTD, deterministic=deterministic), kv
 
@@ -391,46 +423,148 @@ class MLP(Module):
         return [Linear]
 
 
+def expert_weights(logits_BTX: jax.Array, active: int, norm_topk_prob: bool) -> jax.Array:
+    """Each token's weight for each of X experts [B, T, X], float32, from its router logits:
+    softmax, then the `active` largest probabilities (exactly that many experts, the lower
+    index first among equals), renormalised to sum 1 with norm_topk_prob; zero elsewhere."""
+    probs_BTX = jax.nn.softmax(logits_BTX.astype(jnp.float32), axis=-1)
+    top_BTA, index_BTA = jax.lax.top_k(probs_BTX, active)
+    if norm_topk_prob:
+        top_BTA = top_BTA / top_BTA.sum(-1, keepdims=True)
+    chosen_BTAX = jax.nn.one_hot(index_BTA, logits_BTX.shape[-1], dtype=jnp.float32)
+    return (chosen_BTAX * top_BTA[..., None]).sum(-2)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertsConfig:
+    """A mixture of experts: n_experts gated MLPs of the MLPConfig's sizes and kind, of which
+    the router picks `active` per token; norm_topk_prob renormalises the picked weights to
+    sum 1 (Mixtral always, Qwen-MoE and OLMoE as their config says); shared_hidden: the
+    width of one more MLP that every token goes through, scaled by a sigmoid gate
+    (Qwen2-MoE), or None."""
+
+    n_experts: int = 4
+    active: int = 2
+    norm_topk_prob: bool = False
+    shared_hidden: Optional[int] = None
+
+
+class MoE(Module):
+    """A mixture of gated-MLP experts (Mixtral, Qwen-MoE, OLMoE), X experts, A active.
+
+    Routing as transformers computes it: a softmax over the router's X logits in float32,
+    the A largest probabilities (on a tie the lower expert index wins, jax.lax.top_k's rule;
+    torch.topk's choice among equals is its own), renormalised with norm_topk_prob. Dense
+    dispatch: every expert computes every token and the combination weights are zero
+    outside each token's top A, so no token is ever dropped (there is no capacity to
+    exceed) and the result is exact; the arithmetic is X/A times the active experts',
+    which flops() does not count (it counts the active ones, as a model's FLOPs are
+    counted). The experts' weights are stacked [X, ...] on the logical axis "experts",
+    which the plan splits over "shard" (expert parallel): each device runs its own experts
+    on every token and the weighted sum over X adds the devices' parts together.
+    """
+
+    cfg: MLPConfig = MLPConfig(kind="swiglu")
+    experts: ExpertsConfig = ExpertsConfig()
+
+    def setup(self) -> None:
+        c, dt = self.cfg, dict(param_dtype=self.param_dtype, activation_dtype=self.activation_dtype)
+        if c.kind not in ("swiglu", "geglu") or c.bias:
+            raise ValueError(f"experts are gated MLPs without biases (swiglu or geglu), not {c.kind!r} "
+                             f"with bias={c.bias}")
+        X, D, F = self.experts.n_experts, c.width, c.hidden
+        self.router = Linear(features=X, axes=("embed", None), **dt)
+        expert = lambda name, shape, axes, std: logical_param(self, name, shape, axes, nn.initializers.normal(std),
+                                                               self.pdtype)
+        self.gate = expert("gate", (X, D, F), ("experts", "embed", "expert_mlp"), 0.02)
+        self.up = expert("up", (X, D, F), ("experts", "embed", "expert_mlp"), 0.02)
+        self.down = expert("down", (X, F, D), ("experts", "expert_mlp", "embed"), c.residual_std)
+        if self.experts.shared_hidden is not None:
+            self.shared = MLP(cfg=dataclasses.replace(c, hidden=self.experts.shared_hidden), **dt)
+            self.shared_gate = Linear(features=1, axes=("embed", None), **dt)
+        self.drop = nn.Dropout(c.dropout)
+
+    def __call__(self, x_BTD: jax.Array, deterministic: bool = True) -> jax.Array:
+        weights_BTX = expert_weights(self.router(x_BTD), self.experts.active, self.experts.norm_topk_prob)
+        x_BTD, dt = x_BTD.astype(self.adtype), self.adtype
+        gate_BTXF = jnp.einsum("btd,xdf->btxf", x_BTD, self.gate.astype(dt))
+        up_BTXF = jnp.einsum("btd,xdf->btxf", x_BTD, self.up.astype(dt))
+        act = jax.nn.silu if self.cfg.kind == "swiglu" else functools.partial(jax.nn.gelu, approximate=True)
+        h_BTXF = act(gate_BTXF) * up_BTXF
+        # weighting before the down projection sums over experts and F in one contraction,
+        # so no [B, T, X, D] tensor exists (the same sum as weighting each expert's output)
+        h_BTXF = (h_BTXF.astype(jnp.float32) * weights_BTX[..., None]).astype(dt)
+        y_BTD = jnp.einsum("btxf,xfd->btd", h_BTXF, self.down.astype(dt))
+        if self.experts.shared_hidden is not None:
+            y_BTD = y_BTD + jax.nn.sigmoid(self.shared_gate(x_BTD)) * self.shared(x_BTD)
+        return self.drop(y_BTD, deterministic=deterministic)
+
+    def flops(self, seq: int) -> float:
+        """The router, the A active experts per token (not all X that dense dispatch runs),
+        and the shared expert."""
+        expert = 3 * 2 * seq * 3 * self.cfg.width * self.cfg.hidden  # gate, up, down
+        total = self.router.flops(seq) + self.experts.active * expert
+        if self.experts.shared_hidden is not None:
+            total += self.shared.flops(seq) + self.shared_gate.flops(seq)
+        return total
+
+    @classmethod
+    def components(cls) -> List[Type[Any]]:
+        return [Linear, MLP]
+
+
 class Block(Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)).
     With parallel_residual (GPT-NeoX): x + attn(norm1(x)) + mlp(norm2(x)).
     With sandwich_norm (Gemma) each sublayer's output is normed too before it is added:
-    x + norm3(attn(norm1(x))), then x + norm4(mlp(norm2(x)))."""
+    x + norm3(attn(norm1(x))), then x + norm4(mlp(norm2(x))); without pre_norm as well
+    (OLMo 2) only the outputs are: x + norm3(attn(x)), then x + norm4(mlp(x)). Each
+    sublayer's output is scaled by residual_multiplier before it is added (Granite).
+    With `experts` the MLP is a mixture of experts (MoE)."""
 
     attention: AttentionConfig = AttentionConfig()
     feedforward: MLPConfig = MLPConfig()
+    experts: Optional[ExpertsConfig] = None
     norm: str = "layernorm"
     norm_eps: float = 1e-5
     norm_bias: bool = True
     norm_offset: float = 0.0
     parallel_residual: bool = False
     sandwich_norm: bool = False
+    pre_norm: bool = True
+    residual_multiplier: float = 1.0
 
     def setup(self) -> None:
         dt = dict(param_dtype=self.param_dtype, activation_dtype=self.activation_dtype)
         norm = dict(kind=self.norm, eps=self.norm_eps, use_bias=self.norm_bias, offset=self.norm_offset, **dt)
-        self.ln_1, self.ln_2 = Norm(**norm), Norm(**norm)
+        if self.pre_norm:
+            self.ln_1, self.ln_2 = Norm(**norm), Norm(**norm)
         if self.sandwich_norm:
             self.ln_attn_out, self.ln_mlp_out = Norm(**norm), Norm(**norm)
         self.attn = Attention(cfg=self.attention, **dt)
-        self.mlp = MLP(cfg=self.feedforward, **dt)
+        if self.experts is None:
+            self.mlp = MLP(cfg=self.feedforward, **dt)
+        else:
+            self.mlp = MoE(cfg=self.feedforward, experts=self.experts, **dt)
 
     def __call__(self, x_BTD: jax.Array, pos_BT: jax.Array, allowed_BTS: jax.Array,
                  deterministic: bool = True, kv: Optional[Tuple[jax.Array, jax.Array]] = None,
                  slot: Optional[jax.Array] = None):
         """(x_BTD after the block, the layer's updated cache or None)."""
-        a_BTD, kv = self.attn(self.ln_1(x_BTD), pos_BT, allowed_BTS, deterministic, kv, slot)
+        attn_in_BTD = self.ln_1(x_BTD) if self.pre_norm else x_BTD
+        a_BTD, kv = self.attn(attn_in_BTD, pos_BT, allowed_BTS, deterministic, kv, slot)
         if self.sandwich_norm:
             a_BTD = self.ln_attn_out(a_BTD)
+        a_BTD = a_BTD * self.residual_multiplier
         mlp_in_BTD = x_BTD if self.parallel_residual else x_BTD + a_BTD
-        m_BTD = self.mlp(self.ln_2(mlp_in_BTD), deterministic)
+        m_BTD = self.mlp(self.ln_2(mlp_in_BTD) if self.pre_norm else mlp_in_BTD, deterministic)
         if self.sandwich_norm:
             m_BTD = self.ln_mlp_out(m_BTD)
-        return x_BTD + a_BTD + m_BTD, kv
+        return x_BTD + a_BTD + m_BTD * self.residual_multiplier, kv
 
     @classmethod
     def components(cls) -> List[Type[Any]]:
-        return [Norm, Attention, MLP]
+        return [Norm, Attention, MLP, MoE]
 
 
 # ----------------------------------------------------------------------------- GPT
@@ -473,13 +607,23 @@ class GPT(Module):
     norm_offset: float = 0.0  # every norm scales by (offset + weight): Gemma 1.0
     sandwich_norm: bool = False  # norm each sublayer's output too, before the residual add (Gemma)
     embed_scale: bool = False  # token embeddings * sqrt(n_embd), rounded to the activation dtype (Gemma)
+    pre_norm: bool = True  # norm each sublayer's input; OLMo 2 norms only outputs (with sandwich_norm)
+    qk_norm_full: bool = False  # the q/k norm over all heads' width at once, not per head (OLMo 2, OLMoE)
+    norm_topk_prob: bool = False  # experts: renormalise the top-k router weights to sum 1 (Mixtral)
     # the options a checkpoint's config sets (see hf.py)
     rope_scaling: Optional[Tuple[Any, ...]] = None  # ("linear", ...) or ("llama3", ...): rope_frequencies
     sliding_window: Optional[int] = None  # local layers: a query sees itself and the W - 1 tokens before
     window_pattern: str = "S"  # which layers are local (S) or global (G), cycled: Gemma 3 "SSSSSG"
     local_rope_theta: Optional[float] = None  # local layers' own plain rotary base; None: as the others
     attn_scale: Optional[float] = None  # of the scores q.k; None: 1 / sqrt(head_dim)
+    attn_softcap: Optional[float] = None  # attention scores -> cap * tanh(scores / cap) (Gemma 2)
     logit_softcap: Optional[float] = None  # logits -> cap * tanh(logits / cap)
+    embed_multiplier: float = 1.0  # token embeddings * this (Granite)
+    residual_multiplier: float = 1.0  # each sublayer's output * this before it is added (Granite)
+    logits_scaling: float = 1.0  # logits / this (Granite)
+    n_experts: Optional[int] = None  # a mixture of this many experts in every block, each mlp_hidden wide
+    n_experts_per_token: int = 2  # the router's top k
+    shared_expert_hidden: Optional[int] = None  # the width of an expert every token uses (Qwen2-MoE)
 
     def __post_init__(self) -> None:
         # a native checkpoint's config.json gives rope_scaling back as a list; fields must hash
@@ -514,9 +658,10 @@ class GPT(Module):
     def sharding(self) -> List[Tuple[str, Optional[str]]]:
         # Data parallel: inputs split their batch over "batch" (see input_sharding). Megatron-
         # style tensor parallel: q/k/v and MLP-up split their outputs over "shard",
-        # attention-out and MLP-down their inputs; the vocabulary is split too.
+        # attention-out and MLP-down their inputs; the vocabulary is split too. Expert
+        # parallel: a mixture's experts are split over "shard", each expert whole.
         return [("batch", "batch"), ("vocab", "shard"), ("heads", "shard"), ("kv_heads", "shard"),
-                ("mlp", "shard"), ("embed", None), ("head_dim", None)]
+                ("mlp", "shard"), ("experts", "shard"), ("expert_mlp", None), ("embed", None), ("head_dim", None)]
 
     def setup(self) -> None:
         dt = dict(param_dtype=self.param_dtype, activation_dtype=self.activation_dtype)
@@ -533,17 +678,21 @@ class GPT(Module):
             width=self.n_embd, n_head=self.n_head, n_kv_head=self.kv_heads, head_dim=self.head_width,
             qkv_bias=self.has_qkv_bias, out_bias=self.bias, qk_norm=self.qk_norm, norm_eps=self.norm_eps,
             norm_offset=self.norm_offset, rope=self.rope, rotary_fraction=self.rotary_fraction,
-            rope_theta=self.rope_theta, rope_scaling=self.rope_scaling, scale=self.attn_scale,
-            dropout=self.dropout, residual_std=residual_std)
+            qk_norm_full=self.qk_norm_full, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
+            scale=self.attn_scale, softcap=self.attn_softcap, dropout=self.dropout, residual_std=residual_std)
         local = dataclasses.replace(attention, window=self.sliding_window)
         if self.local_rope_theta is not None:  # Gemma 3: plain rotary with its own base
             local = dataclasses.replace(local, rope_theta=self.local_rope_theta, rope_scaling=None)
         feedforward = MLPConfig(width=self.n_embd, hidden=self.mlp_width, kind=self.mlp, bias=self.bias,
                                 dropout=self.dropout, residual_std=residual_std)
+        experts = None if self.n_experts is None else ExpertsConfig(
+            n_experts=self.n_experts, active=self.n_experts_per_token, norm_topk_prob=self.norm_topk_prob,
+            shared_hidden=self.shared_expert_hidden)
         self.blocks = [Block(attention=local if self.is_local(i) else attention, feedforward=feedforward,
-                             norm=self.norm, norm_eps=self.norm_eps, norm_bias=self.bias,
+                             experts=experts, norm=self.norm, norm_eps=self.norm_eps, norm_bias=self.bias,
                              norm_offset=self.norm_offset, parallel_residual=self.parallel_residual,
-                             sandwich_norm=self.sandwich_norm, **dt)
+                             sandwich_norm=self.sandwich_norm, pre_norm=self.pre_norm,
+                             residual_multiplier=self.residual_multiplier, **dt)
                        for i in range(self.n_layers)]
         self.ln_f = Norm(kind=self.norm, eps=self.norm_eps, use_bias=self.bias, offset=self.norm_offset, **dt)
         if not self.tie_embeddings:
@@ -558,6 +707,7 @@ class GPT(Module):
         x_BTD = self.wte(idx_BT).astype(self.adtype)
         if self.embed_scale:  # as transformers: sqrt(D) in float32, then cast to the weights' dtype
             x_BTD = x_BTD * jnp.asarray(math.sqrt(self.n_embd), jnp.float32).astype(self.adtype)
+        x_BTD = x_BTD * self.embed_multiplier
         if not self.rope:
             x_BTD = x_BTD + self.wpe(positions_for(idx_BT, positions)).astype(self.adtype)
         return self.drop(x_BTD, deterministic=deterministic)
@@ -578,6 +728,7 @@ class GPT(Module):
         B, T, _ = x_BTD.shape
         mask_BT = jnp.ones((B, T), bool) if padding_mask is None else padding_mask.astype(bool)
         pos_BT = positions_for(mask_BT, positions)
+        self.check_length(T if cache is None else cache.valid_BS.shape[1])
         if cache is None:
             valid_BS, query_T, key_S = mask_BT, jnp.arange(T), jnp.arange(T)
             kvs, slot = [None] * self.n_layers, None
@@ -604,6 +755,15 @@ class GPT(Module):
         keys, values = zip(*new_kvs)
         return x_BTD, KVCache(tuple(keys), tuple(values), valid_BS, slot + T)
 
+    def check_length(self, length: int) -> None:
+        """Longrope's factors hold up to its original context only: past it transformers
+        switches every position of the sequence to the long factors (and recomputes its KV
+        cache), a switch that a fixed-shape jitted block cannot make, so longer sequences
+        (or caches) are refused, not computed differently."""
+        if self.rope_scaling is not None and self.rope_scaling[0] == "longrope" and length > self.rope_scaling[1]:
+            raise ValueError(f"longrope: {length} positions exceed original_max_position_embeddings "
+                             f"{self.rope_scaling[1]}, beyond which transformers switches to the long factors")
+
     def measure(self, x: jax.Array, residual: jax.Array, depth: int, padding_mask: Optional[jax.Array]) -> None:
         """Record block `depth`'s relative update ||x - residual|| / ||residual||.
 
@@ -626,7 +786,7 @@ class GPT(Module):
             logits = self.wte.attend(x.astype(self.adtype))
         else:
             logits = self.lm_head(x)
-        logits = logits.astype(jnp.float32)
+        logits = logits.astype(jnp.float32) / self.logits_scaling
         if self.logit_softcap is not None:  # Gemma: logits bounded to (-cap, cap)
             logits = self.logit_softcap * jnp.tanh(logits / self.logit_softcap)
         return logits
@@ -693,6 +853,23 @@ FAMILIES = {
     # local and global layers (window, pattern and both rotary bases come from the config)
     "gemma3_text": dict(rope=True, mlp="geglu", norm="rmsnorm", bias=False, qk_norm=True, norm_offset=1.0,
                         sandwich_norm=True, embed_scale=True),
+    # Gemma 3 without the q/k norm; the config adds attention and final soft-caps, the query
+    # scale and its local/global layers (sliding_window, window_pattern "SG")
+    "gemma2": dict(rope=True, mlp="geglu", norm="rmsnorm", bias=False, norm_offset=1.0, sandwich_norm=True,
+                   embed_scale=True),
+    # Llama (its fused qkv_proj and gate_up_proj are a file layout); the config adds the
+    # rotary fraction (Phi-4-mini 0.75), longrope scaling and a window
+    "phi3": dict(rope=True, mlp="swiglu", norm="rmsnorm", bias=False),
+    # norms after each sublayer only, and q/k norms over all heads' width
+    "olmo2": dict(rope=True, mlp="swiglu", norm="rmsnorm", bias=False, qk_norm=True, qk_norm_full=True,
+                  pre_norm=False, sandwich_norm=True),
+    # Llama; the config adds the embedding, attention, residual and logit multipliers
+    "granite": dict(rope=True, mlp="swiglu", norm="rmsnorm", bias=False),
+    # mixtures of experts (n_experts, n_experts_per_token, mlp_hidden per expert: from the config)
+    "mixtral": dict(rope=True, mlp="swiglu", norm="rmsnorm", bias=False, norm_topk_prob=True),
+    "qwen2_moe": dict(rope=True, mlp="swiglu", norm="rmsnorm", bias=False, qkv_bias=True),
+    "qwen3_moe": dict(rope=True, mlp="swiglu", norm="rmsnorm", bias=False, qk_norm=True),
+    "olmoe": dict(rope=True, mlp="swiglu", norm="rmsnorm", bias=False, qk_norm=True, qk_norm_full=True),
 }
 
 

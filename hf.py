@@ -8,15 +8,20 @@ the tensors of each family, read with jobs.TensorFiles (one at a time, each chec
 load_backbone -> export_gpt2 (a GPT-2-layout GPT as a directory transformers loads).
 
 Supported model types: gpt2, llama (with Llama 3.x "llama3" or "linear" rope scaling),
-qwen2, qwen3, gpt_neox, mistral (sliding windows), gemma3_text (local and global layers).
-Weights come only from *.safetensors files: nothing is ever unpickled and no remote code
-runs. Refused with one line: other model types, other rope scaling types (yarn, dynamic,
-longrope, ...), Qwen's sliding windows, Gemma 3's attention soft-capping (transformers
-ignores it) and bidirectional attention, quantized weights, *.bin pickles.
+qwen2, qwen3, gpt_neox, mistral (sliding windows), gemma3_text and gemma2 (local and
+global layers), phi3 (fused projections, partial rotary, longrope), olmo2, granite, and
+the mixtures of experts mixtral, qwen2_moe, qwen3_moe and olmoe. Weights come only from
+*.safetensors files: nothing is ever unpickled and no remote code runs. Refused with one
+line: other model types, other rope scaling types (yarn, dynamic, ...), Qwen's sliding
+windows, Gemma 3's attention soft-capping (transformers ignores it) and bidirectional
+attention, Qwen-MoE's dense layers among the experts, OLMoE's clip_qkv, quantized weights,
+*.bin pickles. Longrope checkpoints get block_size original_max_position_embeddings (see
+gpt.GPT.check_length).
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -34,7 +39,9 @@ import gpt
 from jobs import (TensorFiles, UsageError, check_model_fields, exit_status, first_line, flatten, param_shapes,
                   read_config, short)
 
-SUPPORTED = ("gpt2", "llama", "qwen2", "qwen3", "gpt_neox", "mistral", "gemma3_text")
+SUPPORTED = ("gpt2", "llama", "qwen2", "qwen3", "gpt_neox", "mistral", "gemma3_text", "gemma2", "phi3", "olmo2",
+             "granite", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 # Buffers some checkpoints carry that are not parameters (causal masks, rotary tables)
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".attention.masked_bias",
                     "rotary_emb.inv_freq")
@@ -70,7 +77,8 @@ def read_hf_config(path: str) -> Any:
 # plus the names transformers maps them to
 SIZE_NAMES = ("n_layer", "n_embd", "n_head", "n_positions", "n_inner", "num_hidden_layers", "hidden_size",
               "num_attention_heads", "num_key_value_heads", "max_position_embeddings", "intermediate_size",
-              "vocab_size", "head_dim")
+              "vocab_size", "head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+              "shared_expert_intermediate_size", "original_max_position_embeddings")
 
 
 def check_sizes(config: Any, config_file: str) -> None:
@@ -82,11 +90,12 @@ def check_sizes(config: Any, config_file: str) -> None:
             raise UsageError(f"{config_file}: {name} must be a positive integer, got {short(value)}")
 
 
-def rope_scaling_of(rope: Dict[str, Any], where: str) -> Optional[Tuple[Any, ...]]:
+def rope_scaling_of(rope: Dict[str, Any], where: str, max_positions: int = 0) -> Optional[Tuple[Any, ...]]:
     """GPT.rope_scaling of one transformers rope_parameters dict; None for plain rotary.
 
     AutoConfig turns an old config.json's rope_scaling {"rope_type" or "type", ...} and
-    top-level rope_theta into this one dict, and fills in original_max_position_embeddings.
+    top-level rope_theta into this one dict, and fills in original_max_position_embeddings
+    (Phi-3's old "su" is its "longrope"). max_positions: the config's max_position_embeddings.
     """
     kind = rope.get("rope_type", rope.get("type", "default"))
     try:
@@ -97,9 +106,24 @@ def rope_scaling_of(rope: Dict[str, Any], where: str) -> Optional[Tuple[Any, ...
         if kind == "llama3":
             return ("llama3", float(rope["factor"]), float(rope["low_freq_factor"]),
                     float(rope["high_freq_factor"]), int(rope["original_max_position_embeddings"]))
+        if kind == "longrope":
+            return longrope_scaling(rope, max_positions)
     except (KeyError, TypeError, ValueError) as e:
         raise UsageError(f"{where}: rope scaling {kind!r} without a usable {first_line(e)}") from None
-    raise UsageError(f"{where}: rope scaling {kind!r} is not supported (only linear and llama3)")
+    raise UsageError(f"{where}: rope scaling {kind!r} is not supported (only linear, llama3 and longrope)")
+
+
+def longrope_scaling(rope: Dict[str, Any], max_positions: int) -> Tuple[Any, ...]:
+    """("longrope", original context, attention factor, *short factors), the attention
+    factor as transformers defaults it: sqrt(1 + ln(factor) / ln(original)), the factor
+    max_position_embeddings / original unless given. The long factors are never used:
+    sequences longer than the original context are refused (gpt.GPT.check_length)."""
+    original = int(rope["original_max_position_embeddings"])
+    factor = rope.get("factor") or max_positions / original
+    attention = rope.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return ("longrope", original, float(attention), *(float(f) for f in rope["short_factor"]))
 
 
 def rope_settings(config: Any) -> Dict[str, Any]:
@@ -120,22 +144,27 @@ def rope_settings(config: Any) -> Dict[str, Any]:
     if isinstance(scaling, dict):
         rope = {**scaling, **rope}
     theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    # Only GPT-NeoX rotates part of each head; Llama/Qwen rotary use the full head width
-    # in transformers even if a partial_rotary_factor is present.
-    fraction = rope.get("partial_rotary_factor", 1.0) if t == "gpt_neox" else 1.0
-    return dict(rope_theta=float(theta), rotary_fraction=float(fraction), rope_scaling=rope_scaling_of(rope, t))
+    # Only GPT-NeoX and Phi-3 rotate part of each head; Llama/Qwen rotary use the full head
+    # width in transformers even if a partial_rotary_factor is present.
+    fraction = rope.get("partial_rotary_factor", 1.0) if t in ("gpt_neox", "phi3") else 1.0
+    return dict(rope_theta=float(theta), rotary_fraction=float(fraction),
+                rope_scaling=rope_scaling_of(rope, t, config.max_position_embeddings))
+
+
+WINDOWED = ("mistral", "phi3", "mixtral")  # one sliding_window on every layer, or null
+LAYERED = ("gemma3_text", "gemma2")  # layer_types: sliding_attention (local) or full_attention
 
 
 def window_settings(config: Any) -> Dict[str, Any]:
     """GPT's sliding_window and window_pattern ("S" local, "G" global, cycled over layers)."""
     t = config.model_type
     layer_types = list(getattr(config, "layer_types", None) or [])
-    window = config.sliding_window if t in ("mistral", "gemma3_text") else None
+    window = config.sliding_window if t in WINDOWED + LAYERED else None
     if window is not None and (not isinstance(window, int) or window < 1):
         raise UsageError(f"{t}: sliding_window {window!r} is not a positive whole number")
-    if t == "mistral":  # one window (or none: null) on every layer
+    if t in WINDOWED:  # one window (or none: null) on every layer
         return dict(sliding_window=window, window_pattern="S")
-    if t == "gemma3_text":  # AutoConfig writes layer_types, also from an old sliding_window_pattern
+    if t in LAYERED:  # AutoConfig writes layer_types, also from an old sliding_window_pattern
         if getattr(config, "use_bidirectional_attention", False):
             raise UsageError(f"{t}: use_bidirectional_attention is not supported")
         kinds = {"sliding_attention": "S", "full_attention": "G"}
@@ -146,7 +175,8 @@ def window_settings(config: Any) -> Dict[str, Any]:
             raise UsageError(f"{t}: sliding_attention layers without a sliding_window")
         pattern = "".join(kinds[k] for k in layer_types)
         return dict(sliding_window=window, window_pattern=shortest_period(pattern))
-    # llama, qwen2, qwen3 (Qwen's use_sliding_window / max_window_layers stay refused)
+    # llama, qwen2, qwen3, olmo2, granite, the Qwen MoEs, olmoe (Qwen's use_sliding_window /
+    # max_window_layers stay refused)
     if getattr(config, "use_sliding_window", False) or any(k != "full_attention" for k in layer_types):
         raise UsageError(f"{t}: sliding-window attention is not supported")
     return {}
@@ -163,7 +193,7 @@ def mlp_kind(config: Any, name: str, value: str) -> str:
     the MLP with it: silu -> SwiGLU, gelu_tanh (Gemma) -> GeGLU."""
     plain = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu": "gelu_exact"}
     gated = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu", "gelu_new": "geglu"}
-    is_gated = config.model_type in ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
+    is_gated = config.model_type not in ("gpt2", "gpt_neox")
     kind = (gated if is_gated else plain).get(value)
     if kind is None:
         raise UsageError(f"{config.model_type}: {name} {value!r} is not supported for this model type")
@@ -172,10 +202,13 @@ def mlp_kind(config: Any, name: str, value: str) -> str:
 
 def llama_biases(config: Any) -> Tuple[bool, bool, bool]:
     """Which linear layers of a Llama-like model have biases: (q/k/v, attention-out, MLP).
-    Qwen2 always has q/k/v biases and no others; Llama, Qwen3 and Gemma 3 say so in their
-    config; Mistral's has no such fields (no biases)."""
+    Qwen2 always has q/k/v biases and no others, Qwen2-MoE as its qkv_bias says; the others
+    say so in attention_bias and mlp_bias, or have no such fields (Mistral, Phi-3, Mixtral:
+    no biases)."""
     if config.model_type == "qwen2":
         return True, False, False
+    if config.model_type == "qwen2_moe":
+        return bool(config.qkv_bias), False, False
     attention = bool(getattr(config, "attention_bias", False))
     return attention, attention, bool(getattr(config, "mlp_bias", False))
 
@@ -201,7 +234,7 @@ def hf_fields(config: Any) -> Dict[str, Any]:
                     mlp=mlp_kind(config, "activation_function", config.activation_function),
                     norm_eps=config.layer_norm_epsilon, tie_embeddings=bool(config.tie_word_embeddings))
     heads = config.num_attention_heads
-    activation = "hidden_activation" if t == "gemma3_text" else "hidden_act"
+    activation = "hidden_activation" if t in ("gemma3_text", "gemma2") else "hidden_act"
     fields = dict(gpt.FAMILIES[t], n_layers=config.num_hidden_layers, n_embd=config.hidden_size,
                   n_head=heads, block_size=config.max_position_embeddings,
                   vocab_size=config.vocab_size, mlp_hidden=config.intermediate_size,
@@ -215,25 +248,59 @@ def hf_fields(config: Any) -> Dict[str, Any]:
         return dict(fields, n_kv_head=heads, head_dim=config.hidden_size // heads,
                     norm_eps=config.layer_norm_eps, qkv_bias=bool(config.attention_bias),
                     parallel_residual=bool(config.use_parallel_residual))
-    # llama, qwen2, qwen3, mistral, gemma3_text
+    # the Llama-like families: llama, qwen2, qwen3, mistral, gemma3_text and the new ones
     qkv_bias, out_bias, mlp_bias = llama_biases(config)
     fields = dict(fields, n_kv_head=config.num_key_value_heads,
                   head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
                   norm_eps=config.rms_norm_eps, qkv_bias=qkv_bias, bias=out_bias or mlp_bias)
-    if t == "gemma3_text":
+    if fields["rope_scaling"] is not None and fields["rope_scaling"][0] == "longrope":  # see check_length
+        fields["block_size"] = min(fields["block_size"], fields["rope_scaling"][1])
+    if t in ("gemma3_text", "gemma2"):
         return dict(fields, **gemma_fields(config))
+    if t == "granite":
+        return dict(fields, attn_scale=float(config.attention_multiplier),
+                    embed_multiplier=float(config.embedding_multiplier),
+                    residual_multiplier=float(config.residual_multiplier), logits_scaling=float(config.logits_scaling))
+    if t in MIXTURES:
+        return dict(fields, **expert_fields(config))
     return fields
 
 
 def gemma_fields(config: Any) -> Dict[str, Any]:
-    """Gemma 3's query scale and final soft-cap. Its attn_logit_softcapping is refused:
+    """Gemma's query scale and soft-caps. Gemma 3's attn_logit_softcapping is refused:
     transformers stores it but never applies it to Gemma 3 (Gemma3Attention passes no
     softcap to the attention function), so no behaviour could match both."""
-    if getattr(config, "attn_logit_softcapping", None) is not None:
+    attention_cap = getattr(config, "attn_logit_softcapping", None)
+    if config.model_type == "gemma3_text" and attention_cap is not None:
         raise UsageError("gemma3_text: attn_logit_softcapping is not supported (transformers ignores it)")
     cap = getattr(config, "final_logit_softcapping", None)
     return dict(attn_scale=float(config.query_pre_attn_scalar) ** -0.5,
+                attn_softcap=None if attention_cap is None else float(attention_cap),
                 logit_softcap=None if cap is None else float(cap))
+
+
+def expert_fields(config: Any) -> Dict[str, Any]:
+    """A mixture's sizes: every block's MLP is n_experts experts of mlp_hidden (Qwen's
+    moe_intermediate_size), the router's top n_experts_per_token, renormalised where the
+    family does (Mixtral always, the others by norm_topk_prob); Qwen2-MoE's shared expert."""
+    t = config.model_type
+    if t in ("qwen2_moe", "qwen3_moe") and (config.mlp_only_layers or config.decoder_sparse_step != 1):
+        raise UsageError(f"{t}: dense layers among the experts (mlp_only_layers, decoder_sparse_step) "
+                         f"are not supported")
+    if t == "olmoe" and config.clip_qkv is not None:
+        raise UsageError("olmoe: clip_qkv is not supported")
+    if config.num_experts is None or config.num_experts_per_tok is None:  # check_sizes let None through
+        raise UsageError(f"{t}: num_experts and num_experts_per_tok must be given")
+    if config.num_experts_per_tok > config.num_experts:
+        raise UsageError(f"{t}: num_experts_per_tok {config.num_experts_per_tok} is more than the "
+                         f"{config.num_experts} experts")
+    fields = dict(n_experts=config.num_experts, n_experts_per_token=config.num_experts_per_tok,
+                  norm_topk_prob=t == "mixtral" or bool(config.norm_topk_prob))
+    if t in ("qwen2_moe", "qwen3_moe"):
+        fields["mlp_hidden"] = config.moe_intermediate_size
+    if t == "qwen2_moe":
+        fields["shared_expert_hidden"] = config.shared_expert_intermediate_size
+    return fields
 
 
 # ----------------------------------------------------------------------------- tensors per family
@@ -275,35 +342,79 @@ def linear(ck: TensorFiles, name: str, n_in: int, n_out: int, bias: bool, want_b
 
 
 def llama_params(ck: TensorFiles, m: gpt.GPT, config: Any) -> Dict[str, Any]:
-    """Llama / Qwen2 / Qwen3 / Mistral / Gemma 3: Linear weights are [out, in]; RMSNorm has
-    only a scale (Gemma stores w of its 1 + w). Gemma's post_attention_layernorm norms the
-    attention's output; Llama's is the norm before the MLP."""
-    D, F, V, H, K, E = m.n_embd, m.mlp_width, m.vocab_size, m.n_head, m.kv_heads, m.head_width
-    qkv, out, mlp = llama_biases(config)
-    norm = lambda name: {"scale": ck.get(name + ".weight", (D,))}
+    """The Llama-like families: Linear weights are [out, in]; RMSNorm has only a scale
+    (Gemma stores w of its 1 + w)."""
+    D, V = m.n_embd, m.vocab_size
     p = {"wte": {"embedding": ck.get("embed_tokens.weight", (V, D))}}
     for i in range(m.n_layers):
         h = f"layers.{i}."
-        attn = {"q": linear(ck, h + "self_attn.q_proj", D, H * E, qkv, qkv),
-                "k": linear(ck, h + "self_attn.k_proj", D, K * E, qkv, qkv),
-                "v": linear(ck, h + "self_attn.v_proj", D, K * E, qkv, qkv),
-                "o": linear(ck, h + "self_attn.o_proj", H * E, D, out, m.bias)}
-        if m.qk_norm:
-            attn["q_norm"] = {"scale": ck.get(h + "self_attn.q_norm.weight", (E,))}
-            attn["k_norm"] = {"scale": ck.get(h + "self_attn.k_norm.weight", (E,))}
-        block = {"ln_1": norm(h + "input_layernorm"), "attn": attn,
-                 "mlp": {"gate": linear(ck, h + "mlp.gate_proj", D, F, mlp, m.bias),
-                         "up": linear(ck, h + "mlp.up_proj", D, F, mlp, m.bias),
-                         "down": linear(ck, h + "mlp.down_proj", F, D, mlp, m.bias)}}
-        if m.sandwich_norm:
-            block.update(ln_attn_out=norm(h + "post_attention_layernorm"),
-                         ln_2=norm(h + "pre_feedforward_layernorm"), ln_mlp_out=norm(h + "post_feedforward_layernorm"))
-        else:
-            block.update(ln_2=norm(h + "post_attention_layernorm"))
-        p[f"blocks_{i}"] = block
-    p["ln_f"] = norm("norm")
+        mlp = expert_params(ck, m, config, h) if m.n_experts is not None else mlp_params(ck, m, config, h)
+        p[f"blocks_{i}"] = {**block_norms(ck, m, h), "attn": attention_params(ck, m, config, h), "mlp": mlp}
+    p["ln_f"] = {"scale": ck.get("norm.weight", (D,))}
     if not m.tie_embeddings:
         p["lm_head"] = {"kernel": ck.get("lm_head.weight", (V, D), prefixed=False).T}
+    return p
+
+
+def block_norms(ck: TensorFiles, m: gpt.GPT, h: str) -> Dict[str, Any]:
+    """A block's norms. post_attention_layernorm is the norm before the MLP in Llama, but
+    the norm of the attention's output in Gemma and OLMo 2 (which has no input norms)."""
+    names = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm"}
+    if m.sandwich_norm:
+        names = {"ln_1": "input_layernorm", "ln_2": "pre_feedforward_layernorm",
+                 "ln_attn_out": "post_attention_layernorm", "ln_mlp_out": "post_feedforward_layernorm"}
+    if not m.pre_norm:
+        names = {k: v for k, v in names.items() if k not in ("ln_1", "ln_2")}
+    return {ours: {"scale": ck.get(h + theirs + ".weight", (m.n_embd,))} for ours, theirs in names.items()}
+
+
+def attention_params(ck: TensorFiles, m: gpt.GPT, config: Any, h: str) -> Dict[str, Any]:
+    """q, k, v, o and the q/k norms (per head, or over all heads' width: OLMo 2, OLMoE).
+    Phi-3 stores q|k|v as the rows of one qkv_proj and transformers slices it so."""
+    D, H, K, E = m.n_embd, m.n_head, m.kv_heads, m.head_width
+    qkv, out, _ = llama_biases(config)
+    if config.model_type == "phi3":
+        q, k, v = np.split(ck.get(h + "self_attn.qkv_proj.weight", ((H + 2 * K) * E, D)), [H * E, (H + K) * E])
+        attn = {"q": {"kernel": q.T}, "k": {"kernel": k.T}, "v": {"kernel": v.T}}
+    else:
+        attn = {name: linear(ck, h + f"self_attn.{name}_proj", D, heads * E, qkv, qkv)
+                for name, heads in (("q", H), ("k", K), ("v", K))}
+    attn["o"] = linear(ck, h + "self_attn.o_proj", H * E, D, out, m.bias)
+    if m.qk_norm:
+        q_width, k_width = (H * E, K * E) if m.qk_norm_full else (E, E)
+        attn["q_norm"] = {"scale": ck.get(h + "self_attn.q_norm.weight", (q_width,))}
+        attn["k_norm"] = {"scale": ck.get(h + "self_attn.k_norm.weight", (k_width,))}
+    return attn
+
+
+def mlp_params(ck: TensorFiles, m: gpt.GPT, config: Any, h: str, name: str = "mlp",
+               width: Optional[int] = None) -> Dict[str, Any]:
+    """A gated MLP (gate, up, down) named `name`, `width` wide (default: the model's). Phi-3
+    stores gate|up as the rows of one gate_up_proj (transformers' chunk(2) splits it)."""
+    D, F = m.n_embd, width or m.mlp_width
+    _, _, bias = llama_biases(config)
+    if config.model_type == "phi3":
+        gate, up = np.split(ck.get(h + "mlp.gate_up_proj.weight", (2 * F, D)), 2)
+        return {"gate": {"kernel": gate.T}, "up": {"kernel": up.T},
+                "down": linear(ck, h + "mlp.down_proj", F, D, bias, m.bias)}
+    return {part: linear(ck, f"{h}{name}.{part}_proj", n_in, n_out, bias, m.bias)
+            for part, n_in, n_out in (("gate", D, F), ("up", D, F), ("down", F, D))}
+
+
+def expert_params(ck: TensorFiles, m: gpt.GPT, config: Any, h: str) -> Dict[str, Any]:
+    """A mixture: the router, and each expert's gate/up/down stacked [X, in, out], as the
+    files hold them (one tensor per expert: Mixtral's w1, w3, w2 under block_sparse_moe;
+    the others' gate_proj, up_proj, down_proj under mlp); Qwen2-MoE's shared expert."""
+    X, D, F = m.n_experts, m.n_embd, m.mlp_width
+    where, names = ("block_sparse_moe.", ("w1", "w3", "w2")) if config.model_type == "mixtral" else \
+        ("mlp.", ("gate_proj", "up_proj", "down_proj"))
+    stack = lambda name, shape: np.stack([ck.get(f"{h}{where}experts.{x}.{name}.weight", shape).T
+                                          for x in range(X)])
+    p = {"router": {"kernel": ck.get(h + where + "gate.weight", (X, D)).T},
+         "gate": stack(names[0], (F, D)), "up": stack(names[1], (F, D)), "down": stack(names[2], (D, F))}
+    if m.shared_expert_hidden is not None:
+        p["shared"] = mlp_params(ck, m, config, h, "mlp.shared_expert", m.shared_expert_hidden)
+        p["shared_gate"] = {"kernel": ck.get(h + "mlp.shared_expert_gate.weight", (1, D)).T}
     return p
 
 

@@ -488,7 +488,7 @@ def type_name(kind: Any) -> str:
 def check_sizes(m: gpt.GPT, where: str) -> None:
     """Sizes at least 1, heads that divide, known kinds and dtypes, floats in range."""
     for name in ("n_layers", "n_embd", "n_head", "block_size", "vocab_size", "n_kv_head", "head_dim", "mlp_hidden",
-                 "sliding_window"):
+                 "sliding_window", "n_experts", "n_experts_per_token", "shared_expert_hidden"):
         value = getattr(m, name)
         if value is not None and value < 1:
             raise UsageError(f"{where}: {name} must be at least 1, got {value}")
@@ -496,6 +496,9 @@ def check_sizes(m: gpt.GPT, where: str) -> None:
         raise UsageError(f"{where}: n_head {m.n_head} does not divide n_embd {m.n_embd}")
     if m.n_head % m.kv_heads:
         raise UsageError(f"{where}: n_kv_head {m.kv_heads} does not divide n_head {m.n_head}")
+    if m.n_experts is not None and (m.n_experts_per_token > m.n_experts or m.mlp not in ("swiglu", "geglu") or m.bias):
+        raise UsageError(f"{where}: experts are gated MLPs without biases (mlp swiglu or geglu, bias false), "
+                         f"n_experts_per_token at most n_experts {m.n_experts}")
     for name, known in (("mlp", gpt.MLP_KINDS), ("norm", gpt.NORM_KINDS), ("param_dtype", gpt.DTYPES),
                         ("activation_dtype", gpt.DTYPES)):
         if getattr(m, name) not in known:
@@ -503,14 +506,16 @@ def check_sizes(m: gpt.GPT, where: str) -> None:
     ranges = {"dropout": (0 <= m.dropout < 1, "in [0, 1)"), "norm_eps": (m.norm_eps > 0, "above 0"),
               "rotary_fraction": (0 < m.rotary_fraction <= 1, "in (0, 1]"), "rope_theta": (m.rope_theta > 0, "above 0"),
               "window_pattern": (m.window_pattern and set(m.window_pattern) <= set("SG"), "S and G letters")}
-    for name in ("local_rope_theta", "attn_scale", "logit_softcap"):
+    for name in ("local_rope_theta", "attn_scale", "attn_softcap", "logit_softcap"):
         ranges[name] = (getattr(m, name) is None or getattr(m, name) > 0, "above 0 (or null)")
+    for name in ("embed_multiplier", "residual_multiplier", "logits_scaling"):
+        ranges[name] = (getattr(m, name) > 0, "above 0")
     for name, (ok, allowed) in ranges.items():
         if not ok:
             raise UsageError(f"{where}: {name} must be {allowed}, got {short(getattr(m, name))}")
     if m.rope_scaling is not None:
-        try:
-            gpt.rope_frequencies(2, m.rope_theta, m.rope_scaling)
+        try:  # the real rotary width: longrope has one factor per rotated pair
+            gpt.rope_frequencies(int(m.head_width * m.rotary_fraction) // 2 * 2, m.rope_theta, m.rope_scaling)
         except (ValueError, TypeError) as e:
             raise UsageError(f"{where}: rope_scaling {short(m.rope_scaling)}: {first_line(e)}") from None
 
@@ -518,10 +523,12 @@ def check_sizes(m: gpt.GPT, where: str) -> None:
 def parameter_count(m: gpt.GPT) -> int:
     """The GPT's parameters counted from its sizes alone, without tracing it (tracing 10**7
     layers would take hours): embeddings and each layer's matrices; biases and norms are
-    left out, so this never exceeds the true count."""
+    left out, so this never exceeds the true count. A mixture counts all its experts."""
     D, H, K, E, F, V = m.n_embd, m.n_head, m.kv_heads, m.head_width, m.mlp_width, m.vocab_size
     attention = D * (H + 2 * K) * E + H * E * D
-    mlp = (3 if m.mlp == "swiglu" else 2) * D * F
+    mlp = (3 if m.mlp in ("swiglu", "geglu") else 2) * D * F
+    if m.n_experts is not None:
+        mlp = m.n_experts * (mlp + D) + 3 * D * (m.shared_expert_hidden or 0)
     embeddings = V * D * (1 if m.tie_embeddings else 2) + (0 if m.rope else m.block_size * D)
     return m.n_layers * (attention + mlp) + embeddings
 
