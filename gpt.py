@@ -196,15 +196,20 @@ def rope_frequencies(rot: int, base: float, scaling: Optional[Tuple[Any, ...]] =
     if scaling is None:
         return inv_freq
     if scaling[0] == "linear":
+        if not scaling[1] > 0:  # a factor of 0 would give infinite frequencies, and NaN scores
+            raise ValueError(f"linear rope scaling needs a factor above 0, got {scaling[1]}")
         return inv_freq / scaling[1]
     if scaling[0] == "longrope":
-        if len(scaling) - 3 != rot // 2 or not (scaling[1] >= 1 and scaling[2] > 0):
+        if len(scaling) - 3 != rot // 2 or not (scaling[1] >= 1 and scaling[2] > 0 and min(scaling[3:]) > 0):
             raise ValueError(f"longrope needs an original context, an attention factor and {rot // 2} short "
-                             f"factors (one per rotated pair), got {len(scaling) - 1} numbers")
+                             f"factors above 0 (one per rotated pair), got {list(scaling[1:])}")
         return inv_freq / jnp.asarray(scaling[3:], jnp.float32)
     if scaling[0] != "llama3":
         raise ValueError(f"unknown rope scaling {scaling[0]!r}; choose {', '.join(ROPE_SCALINGS)}")
     factor, low, high, original = scaling[1:]
+    if not (factor > 0 and 0 < low < high and original >= 1):
+        raise ValueError(f"llama3 rope scaling needs factor > 0, 0 < low_freq_factor < high_freq_factor and an "
+                         f"original context of at least 1, got {list(scaling[1:])}")
     wavelength = 2 * math.pi / inv_freq
     long = jnp.where(wavelength > original / low, inv_freq / factor, inv_freq)
     s = (original / wavelength - low) / (high - low)
