@@ -133,85 +133,155 @@ def cut_at_stop(text: str, stops: Sequence[str]) -> str:
 
 # ----------------------------------------------------------------------------- shared contexts
 # Multiple choice asks for one context with several continuations (MMLU's " A" ... " D",
-# hellaswag's four endings). Requests in a row whose context is the same go into one row:
-# the context once, then the input tokens of each continuation (all but its last), one after
-# the other. Each continuation's tokens take the positions that follow the context and see
-# the context and themselves, never another continuation (packed_allowed). A continuation's
-# first token is predicted at the context's last position, so one-token continuations add
-# nothing to the row: one pass over the context answers them all.
+# hellaswag's four endings), and few-shot prompts begin alike (MMLU 5-shot: the same five
+# examples before every question of a subject). So consecutive requests share rows: one row
+# holds a prefix its contexts have in common, then each context's own tokens, each followed
+# by the input tokens of its continuations (all but their last). Every token keeps the
+# position it has alone and sees what it sees alone, the prefix and its own context and
+# continuation, never another's (packed_allowed): the scores are those of each request
+# alone. A continuation's first token is predicted at its context's last position, so
+# one-token continuations add nothing to the row: one pass answers them all.
 #
-# Why one packed row, not the context prefilled once into a KV cache and every continuation
+# Why one packed row, not the shared tokens prefilled once into a KV cache and the rest
 # extended from it: a packed row is one sequence like any other, so it goes through the same
-# sorted, fixed-shape blocks and one kernel; the cache way needs a second kernel, a cache
-# copied per continuation and a schedule in two dimensions (contexts, then continuations).
-# What packing gives up: a packed block attends through an explicit mask, not the fused
-# causal kernel (cuDNN on a GPU); blocks without a shared context still take that kernel.
+# sorted, fixed-shape blocks and one kernel; the cache way needs a second kernel, caches
+# copied per continuation and a schedule in two dimensions. What packing gives up: a packed
+# block attends through an explicit mask, not the fused causal kernel (cuDNN on a GPU), and
+# its rows are longer; blocks with nothing packed still take the fused kernel.
+
+PACK_EXTRA = 512  # a packed row is at most this many tokens longer than its longest request alone
 
 
 class Pack(NamedTuple):
-    """Requests scored in one row (see pack_requests): the row's tokens and each one's
-    position and segment (0: the shared context; k: the k-th request's own tokens), and
-    each scored token as (index of the row token that predicts it, target, request)."""
+    """Requests scored in one row (see pack_requests): the row's tokens, the position of
+    each, its branch (0: the shared prefix; q: the q-th context's own tokens and its
+    continuations') and leaf (0: the context's own tokens; k: its k-th continuation's),
+    and each scored token as (index of the row token that predicts it, target, request)."""
 
     requests: List[Request]
     tokens: List[int]
     positions: List[int]
-    segments: List[int]
+    branches: List[int]
+    leaves: List[int]
     scored: List[Tuple[int, int, int]]
+
+
+class Context(NamedTuple):
+    """One context of a pack: its tokens after the shared prefix, and its requests, each
+    with its continuation's input tokens."""
+
+    own: List[int]
+    members: List[Tuple[Request, List[int]]]
 
 
 def split_request(r: Request, max_len: int) -> Tuple[List[int], List[int]]:
     """(the context as the request sees it, its continuation's input tokens). Alone, a
     request runs the last max_len + 1 tokens of context + continuation minus the last one,
     and its continuation is scored at the last len(continuation) predictions: that row is
-    these two lists joined. Two requests share a row only if they see the same context."""
+    these two lists joined. A request cut from the left sees a shorter context."""
     row = (r.context + r.continuation)[-(max_len + 1):][:-1]
     tail = max(len(r.continuation) - 1, 0)
     return row[:len(row) - tail], row[len(row) - tail:]
 
 
-def make_pack(context: List[int], requests: List[Request], tails: List[List[int]]) -> Pack:
-    tokens, positions, segments, scored = list(context), list(range(len(context))), [0] * len(context), []
-    for k, (r, tail) in enumerate(zip(requests, tails)):
-        predictors = [len(context) - 1] + list(range(len(tokens), len(tokens) + len(tail)))
-        scored += [(where, target, k) for where, target in zip(predictors, r.continuation)]
-        tokens += tail
-        positions += range(len(context), len(context) + len(tail))
-        segments += [k + 1] * len(tail)
-    return Pack(requests, tokens, positions, segments, scored)
+def make_pack(prefix: List[int], contexts: List[Context]) -> Pack:
+    tokens, positions, branches, leaves = list(prefix), list(range(len(prefix))), [0] * len(prefix), [0] * len(prefix)
+    requests: List[Request] = []
+    scored: List[Tuple[int, int, int]] = []
+
+    def add(ids: List[int], start: int, branch: int, leaf: int) -> None:
+        tokens.extend(ids)
+        positions.extend(range(start, start + len(ids)))
+        branches.extend([branch] * len(ids))
+        leaves.extend([leaf] * len(ids))
+
+    for q, context in enumerate(contexts, 1):
+        add(context.own, len(prefix), q, 0)
+        last, start = len(tokens) - 1, len(prefix) + len(context.own)  # the context's last token
+        for k, (r, tail) in enumerate(context.members, 1):
+            predictors = [last] + list(range(len(tokens), len(tokens) + len(tail)))
+            scored += [(where, target, len(requests)) for where, target in zip(predictors, r.continuation)]
+            requests.append(r)
+            add(tail, start, q, k)
+    return Pack(requests, tokens, positions, branches, leaves, scored)
+
+
+def joined(prefix: List[int], contexts: List[Context], seen: List[int], member: Tuple[Request, List[int]],
+           longest: int, max_len: int) -> Optional[Tuple[List[int], List[Context]]]:
+    """(prefix, contexts) with one more request, whose context is `seen`, or None where it
+    does not join them: it shares its whole context with the last one, or a prefix of at
+    least as many tokens as it adds (with one context so far, the prefix is theirs in
+    common). One token is no prefix: it is BOS alone (the first rolling window of every
+    document), and sharing it would pack whole documents to save a token. The row holds at
+    most max_len tokens and max_len scored ones, and at most PACK_EXTRA more than `longest`,
+    the longest of its requests alone: a row's attention needs memory in the square of its
+    length, and a batch that fits alone should fit packed."""
+    last = contexts[-1]
+    if seen == prefix + last.own:
+        contexts = contexts[:-1] + [Context(last.own, last.members + [member])]
+    else:
+        shared = len(prefix) if len(contexts) > 1 else common_length(prefix, seen)
+        if seen[:shared] != prefix[:shared] or shared < len(seen) - shared:
+            return None
+        if len(contexts) == 1:  # the first context's tokens beyond the common prefix become its own
+            contexts = [Context(prefix[shared:], last.members)]
+        prefix, contexts = prefix[:shared], contexts + [Context(seen[shared:], [member])]
+    size = len(prefix) + sum(len(c.own) + sum(len(t) for _, t in c.members) for c in contexts)
+    scored = sum(len(r.continuation) for c in contexts for r, _ in c.members)
+    if len(prefix) < 2 or size > min(max_len, longest + PACK_EXTRA) or scored > max_len:
+        return None
+    return prefix, contexts
+
+
+def common_length(a: List[int], b: List[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def pack_requests(requests: Iterable[Request], max_len: int, share: bool) -> Iterator[Pack]:
-    """Requests in order, in packs: consecutive requests that see the same context share a
-    row while it holds at most max_len tokens and max_len scored ones (a new row when the
-    next one does not fit); with share False, or alone, a request has a row of its own. A
-    context of one token is not shared: it is the prefix alone, as in the first rolling
-    window of every document, and sharing it would pack whole documents to save a token."""
-    context: List[int] = []
-    members: List[Tuple[Request, List[int]]] = []
+    """Requests in order, in packs of consecutive ones (see joined); with share False, a
+    row each."""
+    prefix: List[int] = []
+    contexts: List[Context] = []
+    longest = 0  # the longest request of the pack, alone
     for r in requests:
         if not r.context:
             raise RequestError("a loglikelihood request needs at least one context token (BOS, or EOS)")
         seen, tail = split_request(r, max_len)
-        size = len(seen) + sum(len(t) for _, t in members) + len(tail)
-        scored = sum(len(m.continuation) for m, _ in members) + len(r.continuation)
-        if members and share and len(seen) > 1 and seen == context and size <= max_len and scored <= max_len:
-            members.append((r, tail))
+        alone = len(seen) + len(tail)
+        grown = joined(prefix, contexts, seen, (r, tail), max(longest, alone), max_len) if share and contexts else None
+        if grown is not None:
+            (prefix, contexts), longest = grown, max(longest, alone)
             continue
-        if members:
-            yield make_pack(context, *map(list, zip(*members)))
-        context, members = seen, [(r, tail)]
-    if members:
-        yield make_pack(context, *map(list, zip(*members)))
+        if contexts:
+            yield make_pack(prefix, contexts)
+        prefix, contexts, longest = seen, [Context([], [(r, tail)])], alone
+    if contexts:
+        yield make_pack(prefix, contexts)
 
 
-def packed_allowed(segments_BT: jax.Array) -> jax.Array:
+def packed_allowed(branches_BT: jax.Array, leaves_BT: jax.Array) -> jax.Array:
     """Which keys each query of a packed row sees [B, T, T]: itself and the earlier tokens
-    of the shared context (segment 0) or of its own continuation; padding (-1) none."""
-    T = segments_BT.shape[1]
+    of the shared prefix (branch 0), of its own context (its branch, leaf 0) and of its own
+    continuation (its branch and leaf); padding (branch -1) none."""
+    T = branches_BT.shape[1]
     earlier_1TS = jnp.tril(jnp.ones((T, T), bool))[None]
-    query_BT1, key_B1S = segments_BT[:, :, None], segments_BT[:, None, :]
-    return earlier_1TS & (key_B1S >= 0) & ((key_B1S == 0) | (key_B1S == query_BT1))
+    query_branch, key_branch = branches_BT[:, :, None], branches_BT[:, None, :]
+    query_leaf, key_leaf = leaves_BT[:, :, None], leaves_BT[:, None, :]
+    own_branch = (key_branch == query_branch) & ((key_leaf == 0) | (key_leaf == query_leaf))
+    return earlier_1TS & (key_branch >= 0) & ((key_branch == 0) | own_branch)
+
+
+def scored_slots(packs: List[Pack], rows: int, width: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """[rows, width] each: where in its row each scored token is predicted, the target, and
+    whose it is (the request's index in the block, -1 for padding)."""
+    where, targets, owner = (np.full((rows, width), fill, np.int32) for fill in (0, 0, -1))
+    first = 0  # the pack's first request in the block
+    for i, p in enumerate(packs):
+        if p.scored:
+            m, (w, t, k) = len(p.scored), np.array(p.scored).T
+            where[i, :m], targets[i, :m], owner[i, :m] = w, t, first + k
+        first += len(p.requests)
+    return where, targets, owner
 
 
 # ----------------------------------------------------------------------------- stop strings
@@ -224,7 +294,10 @@ def packed_allowed(segments_BT: jax.Array) -> jax.Array:
 # The check decodes the row's tokens so far: a stop string may span tokens or end inside
 # one. That assumes the text of the first k tokens is the start of the text of more tokens
 # (byte-level BPE, less an unfinished character), as lm-eval's own stopping check does, so
-# the text cut at the first stop string is the one the whole decoding would give.
+# the text cut at the first stop string is the one the whole decoding would give. A row that
+# is done still runs until its batch ends: a batch has one shape, and refilling the row with
+# a waiting prompt (continuous batching) would mean a prefill into the middle of a running
+# cache; a step of few rows costs mostly the reading of the weights, whatever their number.
 
 SEGMENT_STEPS = 8
 
@@ -297,10 +370,10 @@ class Progress:
         print(f"{self.name}: {self.done}/{self.total} {self.unit}, {self.tokens / seconds:,.0f} tokens/s, "
               f"{seconds:.0f} s", file=sys.stderr, flush=True)
 
-    def close(self) -> None:
+    def close(self, finished: bool) -> None:
         if self.bar is not None:
             self.bar.close()
-        else:
+        elif finished:
             self.line()
 
 
@@ -383,10 +456,10 @@ class InferenceJob:
         """(start, chunks, rows, shape) blocks for requests of these sizes (a row's length
         first, then any other padded dimension), sorted longest first. Consecutive rows make
         batches; each batch is padded to its own largest size in each dimension
-        (padded_length); batches of one shape go --chunks at a time into a block, the rest
-        one by one (at most most_chunks); a short last batch has the next power of two of rows (a multiple of the
-        data-parallel size). So no batch is all padding, little of a row is, and there are
-        only a few shapes (so few compilations) whatever the lengths."""
+        (padded_length); batches of one shape go most_chunks at a time into a block, the
+        rest one by one; a short last batch has the next power of two of rows (a multiple of
+        the data-parallel size). So no batch is all padding, little of a row is, and there
+        are only a few shapes (so few compilations) whatever the lengths."""
         batches = []
         for start in range(0, len(sizes), self.batch_size):
             batch = sizes[start:start + self.batch_size]
@@ -405,9 +478,10 @@ class InferenceJob:
                   docs_of: Callable[[Any], List[int]], cap: int, run_block: Callable[..., List[Any]],
                   most_chunks: Optional[int] = None) -> Iterator[Tuple[Any, Any]]:
         """(item, result) in item order; run_block(items, chunks, rows, *shape) runs one
-        block of at most most_chunks batches (default: --chunks). A window of SORT_WINDOW blocks' items is sorted by length at a time, so memory
-        does not grow with the dataset. A document is reported done (self.report) when its
-        last item has run; one that goes on in the next window, when that part has."""
+        block of at most most_chunks batches (default: chunks). A window of SORT_WINDOW
+        blocks' items is sorted by length at a time, so memory does not grow with the
+        dataset. A document is reported done (self.report) when its last item has run; one
+        that goes on in the next window, when that part has."""
         items = iter(items)
         window = list(itertools.islice(items, self.batch_size * self.chunks * SORT_WINDOW))
         while window:
@@ -452,16 +526,18 @@ class InferenceJob:
     def hidden(self, variables: Any, tokens_BT: jax.Array, layout: Optional[Tuple[jax.Array, jax.Array]]) -> jax.Array:
         """Final hidden states [B, T, D] of right-padded rows. layout None: each row one
         sequence from position 0, with no padding mask, so attention takes the fused causal
-        path (gpt.attend_causal). layout (positions_BT, segments_BT): packed rows, attention
-        as packed_allowed says."""
+        path (gpt.attend_causal). layout (positions_BT, branches_BT, leaves_BT): packed rows,
+        attention as packed_allowed says."""
         if layout is None:
-            return self.model.apply(variables, tokens_BT, method=lambda m, idx: m.decode(m.embed(idx, True), None, True))
-        positions_BT, segments_BT = layout
+            causal = lambda m, idx: m.decode(m.embed(idx, True), None, True)
+            return self.model.apply(variables, tokens_BT, method=causal)
+        positions_BT, branches_BT, leaves_BT = layout
 
         def embed_and_decode(m, idx, pos, allowed):
             return m.decode(m.embed(idx, True, positions=pos), None, True, positions=pos, allowed=allowed)
 
-        return self.model.apply(variables, tokens_BT, positions_BT, packed_allowed(segments_BT), method=embed_and_decode)
+        return self.model.apply(variables, tokens_BT, positions_BT, packed_allowed(branches_BT, leaves_BT),
+                                method=embed_and_decode)
 
     def token_scores(self, variables: Any, x_BSD: jax.Array, targets_BS: jax.Array) -> Tuple[jax.Array, jax.Array]:
         """(log-probability of each target [B, S], whether it is the argmax [B, S]) given the
@@ -543,28 +619,30 @@ class InferenceJob:
     def score_packs(self, packs: List[Pack], chunks: int, rows: int, length: int, width: int,
                     keep_rows: bool) -> List[List[Scored]]:
         """One block of packs [chunks, rows, length], `width` scored slots per row: each
-        pack's requests' Scored."""
+        pack's requests' Scored. A block with nothing packed runs plain causal rows."""
         n, packed = chunks * rows, any(len(p.requests) > 1 for p in packs)
         self.check_memory(rows, length, width, fused=gpt.uses_cudnn(self.model.adtype) and not packed)
         tokens, mask = self.pad([p.tokens for p in packs], length, n, left=False)
-        where, targets, owner = (np.full((n, width), fill, np.int32) for fill in (0, 0, -1))
-        first = np.cumsum([0] + [len(p.requests) for p in packs])  # each pack's first request in the block
-        for i, p in enumerate(packs):
-            if p.scored:
-                m, (w, t, k) = len(p.scored), np.array(p.scored).T
-                where[i, :m], targets[i, :m], owner[i, :m] = w, t, first[i] + k
-        layout = None
-        if packed:
-            positions, _ = self.pad([p.positions for p in packs], length, n, left=False)
-            segments = self.pad([[s + 1 for s in p.segments] for p in packs], length, n, left=False)[0] - 1
-            layout = tuple(self.put(a.reshape(chunks, rows, length)) for a in (positions, segments))
+        where, targets, owner = scored_slots(packs, n, width)
+        layout = self.packed_layout(packs, chunks, rows, length) if packed else None
         out = self._score(self.variables, self.put(tokens.reshape(chunks, rows, length)), layout,
                           *(self.put(a.reshape(chunks, rows, width)) for a in (where, targets)))
         logprob, correct = (np.asarray(o).reshape(n, width) for o in out)
-        real = owner >= 0  # per request, summed in float64
-        sums = [np.bincount(owner[real], weights=w, minlength=first[-1]) for w in (logprob[real], correct[real], None)]
-        return [[Scored(float(sums[0][k]), int(sums[2][k]), int(sums[1][k]), (tokens[i], mask[i]) if keep_rows else None)
-                 for k in range(first[i], first[i + 1])] for i in range(len(packs))]
+        real, total = owner >= 0, sum(len(p.requests) for p in packs)  # per request, summed in float64
+        logprobs, corrects, counts = (np.bincount(owner[real], weights=w, minlength=total)
+                                      for w in (logprob[real], correct[real], None))
+        scored = iter([Scored(float(lp), int(k), int(c)) for lp, c, k in zip(logprobs, corrects, counts)])
+        return [[dataclasses.replace(next(scored), row=(tokens[i], mask[i]) if keep_rows else None)
+                 for _ in p.requests] for i, p in enumerate(packs)]
+
+    def packed_layout(self, packs: List[Pack], chunks: int, rows: int, length: int) -> Tuple[jax.Array, ...]:
+        """(positions, branches, leaves) of a block's packed rows [chunks, rows, length] on
+        the mesh; padding is branch -1."""
+        n = chunks * rows
+        positions, _ = self.pad([p.positions for p in packs], length, n, left=False)
+        branches = self.pad([[b + 1 for b in p.branches] for p in packs], length, n, left=False)[0] - 1
+        leaves, _ = self.pad([p.leaves for p in packs], length, n, left=False)
+        return tuple(self.put(a.reshape(chunks, rows, length)) for a in (positions, branches, leaves))
 
     def loglikelihood_rolling(self, documents: Iterable[List[int]], keep_rows: bool = False) -> Iterator[List[Scored]]:
         """Every token of each document (token ids) scored once in rolling windows, after
@@ -642,9 +720,10 @@ class InferenceJob:
         if self.quiet or jax.process_index() != 0:
             yield from items
             return
-        self.report = Progress(name, total, unit)
+        self.report, finished = Progress(name, total, unit), False
         try:
             yield from items
-            self.report.close()
+            finished = True
         finally:
+            self.report.close(finished)
             self.report = None

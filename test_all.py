@@ -633,6 +633,8 @@ SHARED = [  # contexts shared by one-token choices, by multi-token ones, cut fro
     {"context": "the cats", "choices": [" see the dog.", " sees the dog.", " seen", "!"], "gold": 0},
     {"context": "x" * 70, "choices": ["a", "b", " a long ending"], "gold": 2},  # block_size 64
     {"context": "0123456789" * 3, "choices": [" the first long one!", " the second long one", "."], "gold": 2},
+    {"context": "Shots: 1+1=2, 2+2=4, 3+3=6. Q: 4+4=", "choices": ["8", "9"], "gold": 0},  # a shared prefix
+    {"context": "Shots: 1+1=2, 2+2=4, 3+3=6. Q: 5+5=", "choices": ["10", "11"], "gold": 0},
 ]
 
 
@@ -657,10 +659,13 @@ def test_shared_contexts_score_as_alone_with_less_work(small):
     """Requests that see the same context share one row: each log-likelihood and is_greedy
     as when scored alone, on any batch size and mesh, for fewer tokens computed. One-token
     choices add nothing to the context's row; a choice cut from the left sees another
-    context, and a row holds at most block_size tokens."""
+    context; contexts that begin alike share their prefix; a row holds at most block_size
+    tokens."""
     packs = list(inference.pack_requests(shared_requests(small), SMALL["block_size"], True))
-    assert [len(p.requests) for p in packs] == [4, 5, 2, 1, 1, 2]
+    assert [len(p.requests) for p in packs] == [4, 5, 2, 1, 1, 2, 4]
     assert packs[0].tokens == list(SHARED[0]["context"].encode()) and len(packs[0].scored) == 4
+    prefix = len("Shots: 1+1=2, 2+2=4, 3+3=6. Q: ")
+    assert packs[-1].branches == [0] * prefix + [1] * 4 + [2] * 6 and packs[-1].leaves[-6:] == [0] * 4 + [1, 2]
     alone, blocks_alone = scored(small, False)
     assert 0 < sum(s.correct for s in alone) < sum(s.tokens for s in alone)  # is_greedy means something
     for mesh, batch in [((1, 1), 3), ((4, 2), 8)]:
@@ -688,7 +693,7 @@ def test_shared_contexts_and_progress_lines_on_two_processes(small, tiny_ckpt, t
     alone = scored(small, False)[0]
     alone = alone[:8] + alone[9:]  # the greedy choice is not in the file
     np.testing.assert_allclose(sum((s["loglik"] for s in samples), []), [s.logprob for s in alone], rtol=1e-5)
-    assert re.search(r"^choices: 4/4 samples, [\d,]+ tokens/s, \d+ s$", errs[0], re.M), errs[0]
+    assert re.search(r"^choices: 6/6 samples, [\d,]+ tokens/s, \d+ s$", errs[0], re.M), errs[0]
     assert "tokens/s" not in errs[1]
 
 
@@ -2209,6 +2214,18 @@ def test_bench_limits_mode():
     assert x["param_bytes"] == 2 * x["params"]  # bfloat16
     assert x["scoring"]["flops"] == pytest.approx(4 * model.bind(init(model)).flops(64) / 3)
     assert x["decoding"]["best"] > 0 and x["decoding"]["bound"] > 0 and x["peak"]["flops_per_s"] > 0
+
+
+@needs_lm_eval
+def test_bench_shapes_beside_lm_evals_hf_model(tmp_path):
+    """--shapes, its MMLU-style workload: lm-eval's mmlu template through our command line
+    and through lm-eval's HF model (bench asserts that the log-likelihoods agree), the same
+    answers and scores, for less than half the tokens per request (the 5-shot prompts share
+    their prefix). The other workloads differ only in their tasks' YAML."""
+    r = bench("--shapes", "--workloads", "mmlu", "--vocab", "2000", "--mlp-hidden", "128", "--kv-heads", "2",
+              "--mmlu-questions", "6", "--workdir", tmp_path)["shapes"]["workloads"]["mmlu"]
+    assert r["identical"] == r["compared"] == 48 and r["scores_rel"] < 1e-4 and r["requests"] == 24
+    assert r["our_tokens_per_request"] < 0.5 * r["hf_tokens_per_request"]
 
 
 # ---- reliability: bad input, interruption, the same answer everywhere
