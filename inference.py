@@ -348,13 +348,15 @@ def is_argmax(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
 
 class Progress:
     """Progress of one call on stderr: documents done of `total` and tokens/s. A tqdm bar on
-    a terminal; elsewhere (a batch job's log) a line every PROGRESS_SECONDS and one at the
-    end. The blocks report what they finish (InferenceJob.in_blocks), so it moves while a
-    sorted window is still running."""
+    a terminal; elsewhere (a batch job's log) a line every PROGRESS_SECONDS, and a last one
+    at the end if any came before: a call shorter than that prints nothing, so a quick run
+    that fails still ends with its one line. The blocks report what they finish
+    (InferenceJob.in_blocks), so it moves while a sorted window is still running."""
 
     def __init__(self, name: str, total: int, unit: str):
         self.name, self.total, self.unit, self.done, self.tokens = name, total, unit, 0, 0
         self.started = self.shown = time.monotonic()
+        self.shown_done = -1  # the count the last line showed
         self.bar = tqdm(desc=name, total=total, unit=unit, leave=False) if sys.stderr.isatty() else None
 
     def advance(self, documents: int, tokens: int) -> None:
@@ -365,7 +367,7 @@ class Progress:
             self.line()
 
     def line(self) -> None:
-        self.shown = time.monotonic()
+        self.shown, self.shown_done = time.monotonic(), self.done
         seconds = max(self.shown - self.started, 1e-9)
         print(f"{self.name}: {self.done}/{self.total} {self.unit}, {self.tokens / seconds:,.0f} tokens/s, "
               f"{seconds:.0f} s", file=sys.stderr, flush=True)
@@ -373,7 +375,7 @@ class Progress:
     def close(self, finished: bool) -> None:
         if self.bar is not None:
             self.bar.close()
-        elif finished:
+        elif finished and 0 <= self.shown_done != self.done:
             self.line()
 
 
