@@ -457,16 +457,11 @@ class InferenceJob:
                  most_chunks: int) -> Iterator[Tuple[int, int, int, Tuple[int, ...]]]:
         """(start, chunks, rows, shape) blocks for requests of these sizes (a row's length
         first, then any other padded dimension), sorted longest first. Consecutive rows make
-        batches; each batch is padded to its own largest size in each dimension
-        (padded_length); batches of one shape go most_chunks at a time into a block, the
-        rest one by one; a short last batch has the next power of two of rows (a multiple of
-        the data-parallel size). So no batch is all padding, little of a row is, and there
-        are only a few shapes (so few compilations) whatever the lengths."""
-        batches = []
-        for start in range(0, len(sizes), self.batch_size):
-            batch = sizes[start:start + self.batch_size]
-            shape = tuple(padded_length(max(dims), cap) for dims in zip(*batch))
-            batches.append((start, len(batch), shape))
+        batches (see batch_shapes); batches of one shape go most_chunks at a time into a
+        block, the rest one by one; a short last batch has the next power of two of rows (a
+        multiple of the data-parallel size). So no batch is all padding, little of a row is,
+        and there are only a few shapes (so few compilations) whatever the lengths."""
+        batches = self.batch_shapes(sizes, cap)
         for (rows, shape), group in itertools.groupby(batches, key=lambda b: b[1:]):
             group = list(group)
             if rows < self.batch_size:
@@ -475,6 +470,28 @@ class InferenceJob:
                 chunks = most_chunks if len(group) >= most_chunks else 1
                 yield group[0][0], chunks, rows, shape
                 group = group[chunks:]
+
+    def batch_shapes(self, sizes: List[Tuple[int, ...]], cap: int) -> List[Tuple[int, int, Tuple[int, ...]]]:
+        """(start, rows, shape) of each batch: its longest row's padded_length, and in any
+        other dimension (scored slots) the next power of two, at most that length (a slot
+        unembedded for nothing costs a fraction of a token's pass). A batch that would be
+        alone in its shape takes the shape of the batch before it when that is at most a
+        quarter longer: tracing and compiling a 30-layer model takes 2-3 s on a CPU, as long
+        as computing some 2,000 tokens, so for a small dataset a little padding is cheaper.
+        (In a large one, neighbours in sorted order share shapes and nothing is merged.)"""
+        batches = []
+        for start in range(0, len(sizes), self.batch_size):
+            batch = sizes[start:start + self.batch_size]
+            length = padded_length(max(size[0] for size in batch), cap)
+            others = tuple(min(length, 1 << max(max(dims) - 1, 15).bit_length()) for dims in list(zip(*batch))[1:])
+            batches.append((start, len(batch), (length, *others)))
+        alone = collections.Counter(shape for _, _, shape in batches)
+        for i in range(1, len(batches)):
+            (_, _, before), (start, rows, shape) = batches[i - 1], batches[i]
+            if alone[shape] == 1 and all(b >= s for b, s in zip(before, shape)) and 4 * before[0] <= 5 * shape[0]:
+                alone[shape] -= 1
+                batches[i] = (start, rows, before)
+        return batches
 
     def in_blocks(self, items: Iterable[Any], sizes_of: Callable[[Any], Tuple[int, ...]],
                   docs_of: Callable[[Any], List[int]], cap: int, run_block: Callable[..., List[Any]],

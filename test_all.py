@@ -610,8 +610,10 @@ def test_scores_do_not_depend_on_batch_size_or_mesh(small):
 
 
 def test_ragged_documents_waste_little_on_padding():
-    """Documents of mixed lengths go into blocks of similar lengths: at most 10% of the
-    scored slots are padding, and there are a handful of block shapes (so of compilations)."""
+    """Documents of mixed lengths go into blocks of similar lengths: at most 15% of the
+    scored slots are padding, and there are a handful of block shapes (so of compilations:
+    in a set this small, a batch alone in its shape takes the one before it, at most a
+    quarter longer)."""
     model = gpt.GPT(n_layers=1, n_embd=32, n_head=2, block_size=512, vocab_size=320)
     host = jax.device_get(gpt.init_params(model, mesh_of(), seed=0))
     rng = np.random.default_rng(0)
@@ -622,8 +624,8 @@ def test_ragged_documents_waste_little_on_padding():
     slots = sum(c * b * t for _, c, b, t in ev.blocks_run)
     shapes = {(c, b, t) for _, c, b, t in ev.blocks_run}
     print(f"ragged: {real / slots:.3f} of {slots} slots real, {len(ev.blocks_run)} blocks, {len(shapes)} shapes")
-    assert real == sum(len(d["text"]) for d in docs) and real / slots >= 0.9
-    assert len(shapes) <= 10 and all(b == 8 for _, _, b, _ in ev.blocks_run)  # 64 = 8 full batches
+    assert real == sum(len(d["text"]) for d in docs) and real / slots >= 0.85
+    assert len(shapes) <= 5 and all(b == 8 for _, _, b, _ in ev.blocks_run)  # 64 = 8 full batches
     assert result.metrics["tokens"] == real
 
 
