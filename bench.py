@@ -5,6 +5,8 @@
     python bench.py --layers 2 --width 128 --heads 4 --vocab 1000 --seq 128   # quick
     python bench.py --json           # one JSON object of every number instead of the table
     python bench.py --limits         # this project alone against the machine's limits (GPU/TPU)
+    python bench.py --shapes --layers 30 --width 576 --heads 9 --kv-heads 3 --mlp-hidden 1536 \
+        --context 2048 --batch 16 --init-std 0.1   # the tasks people report, beside lm-eval (15-25 min)
 
 What it does, in order:
 1. Compilation: the built-in suite (the 4 built-in evaluations) on the default tiny GPT,
@@ -30,6 +32,9 @@ What it does, in order:
 5. The float32 matmul peak (the best jitted square matmul of --matmul-sizes, raced with
    the scorers) turns FLOP/s into MFU.
 With --limits, only bench_limits runs: no transformers, no torch (see its docstring).
+With --shapes, only bench_shapes runs: MMLU-, hellaswag-, gsm8k- and wikitext-shaped lm-eval
+tasks through this project's command line and through lm-eval's HF model, whole processes
+side by side, with the work each computed and a check that their answers agree.
 
 Every timing is a warm-up call (which compiles), then --reps rounds in which the
 contenders take turns, so that other processes' load falls on all of them alike; the
@@ -38,19 +43,27 @@ FLOPs are GPT.flops(seq) / 3 (forward only; attention counted over the full T x 
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
+import importlib.util
 import json
 import os
+import re
+import shutil
 import statistics
+import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 try:  # only the side-by-side run needs torch; --limits runs without it
     import torch
@@ -72,9 +85,9 @@ class BenchConfig:
     layers: int = option(12, "transformer blocks of the benchmarked model")
     width: int = option(768, "model width")
     heads: int = option(12, "attention heads")
-    kv_heads: int = option(0, "key/value heads of a qwen2 model (0: as many as --heads)")
+    kv_heads: int = option(0, "key/value heads of a qwen2 model or --shapes' llama (0: as many as --heads)")
     mlp_hidden: int = option(0, "MLP width (0: 4 x --width)")
-    vocab: int = option(50257, "vocabulary size")
+    vocab: int = option(50257, "vocabulary size (--shapes: the most its trained tokenizer may have)")
     context: int = option(1024, "context length (n_positions)")
     batch: int = option(8, "rows scored, and prompts decoded, at once")
     seq: int = option(512, "tokens per scored document")
@@ -93,6 +106,15 @@ class BenchConfig:
     dtype: str = option("float32", "parameters and activations of both contenders (float32 checks exactness)")
     peak_tflops: float = option(0.0, "nominal matmul peak per device at --dtype, e.g. 790 on an H200 (0: none)")
     memory_tbps: float = option(0.0, "nominal memory bandwidth per device, e.g. 4.3 on an H200 (0: none)")
+    shapes: bool = option(False, "benchmark shapes (MMLU, hellaswag, gsm8k, rolling perplexity) through this "
+                                 "project's command line and lm-eval's HF model, a random Llama of --layers ...")
+    workloads: str = option("mmlu,hellaswag,gsm8k,wikitext", "the --shapes workloads to run, in order")
+    workdir: str = option("", "where --shapes keeps its model and tasks, reused by a rerun (default: a temporary one)")
+    mmlu_questions: int = option(40, "--shapes: MMLU-style test questions")
+    hellaswag_items: int = option(80, "--shapes: hellaswag-style items")
+    gsm8k_questions: int = option(32, "--shapes: gsm8k-style questions")
+    max_gen_toks: int = option(256, "--shapes: new tokens at most per gsm8k-style answer (gsm8k's 256)")
+    wikitext_docs: int = option(60, "--shapes: documents of the rolling perplexity")
 
 
 # ----------------------------------------------------------------------------- timing
@@ -606,6 +628,335 @@ def limits_table(cfg: BenchConfig, r: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------- benchmark shapes beside lm-eval
+# The tasks people report, in their shapes, through this project's command line and through
+# lm-eval's own HF model (HFLM) on the same HuggingFace directory, each a whole process of
+# its own. The model is Llama-shaped with random weights and a tokenizer trained here on
+# prose: the docstrings of Python's standard library (the same text wherever this Python
+# runs). The tasks are local YAMLs that include lm-eval's installed ones (their prompts,
+# few-shot choice and metrics) over JSONL data written here in the hub datasets' shapes.
+
+SHAPES = {  # workload -> (task, what it is)
+    "mmlu": ("local_mmlu", "MMLU-style, 5-shot, 4 one-token choices"),
+    "hellaswag": ("local_hellaswag", "hellaswag-style, 4 multi-token endings"),
+    "gsm8k": ("local_gsm8k", "gsm8k-style, 5-shot generation until stop strings, --max-gen-toks new tokens"),
+    "wikitext": ("local_wikitext", "rolling perplexity, ragged documents"),
+}
+# gsm8k's own stop strings, and "." and "," (triviaqa's and nq_open's): random weights never
+# write "Question:", but about one token in fifty they emit holds a period or a comma, so
+# rows end at varied lengths, a few at the 256-token limit
+GSM8K_UNTIL = ["Question:", "</s>", "<|im_end|>", ".", ","]
+EOT = "<|endoftext|>"
+NAMES, ITEMS = ("Tom", "Ana", "Lee", "Sam", "Mia", "Raj"), ("apples", "books", "coins", "pens", "shells")
+
+# The project's side: what `python evaluate.py ARGS` runs, then the work its InferenceJob
+# counted, as one JSON line. A script of its own, so that it imports what the command line
+# imports (no torch, not bench.py).
+OUR_SIDE = """
+import json, sys
+import evaluate
+from jobs import ExecutionSpec, Node, parse_options
+cfg = parse_options(evaluate.EvaluatorConfig, sys.argv[1:])
+cfg.validate()
+spec = ExecutionSpec(name=evaluate.BackboneEvaluate.KEY, out_dir=cfg.out, seed=cfg.seed, cfg=cfg)
+job = evaluate.BackboneEvaluate(spec, Node(cfg.ckpt))
+job.run()
+print(json.dumps({"blocks": job.blocks_run, "rollouts": job.rollouts_run}))
+"""
+
+# lm-eval's side: its HF model on the same directory and task, with every forward call's
+# input shape recorded. Only the local tasks are indexed, as on our side (lm-eval's own
+# command line indexes its 14,683 built-in task files first).
+HF_SIDE = """
+import json, sys
+import lm_eval
+from lm_eval.models.huggingface import HFLM
+from lm_eval.tasks import TaskManager
+from lm_eval.utils import sanitize_list
+model_dir, task_dir, task, batch, device, dtype = sys.argv[1:]
+hflm = HFLM(pretrained=model_dir, dtype=dtype, batch_size=int(batch), device=device)
+shapes = []
+def record(module, args, kwargs):
+    shapes.append(list((kwargs["input_ids"] if "input_ids" in kwargs else args[0]).shape))
+hflm.model.register_forward_pre_hook(record, with_kwargs=True)
+out = lm_eval.simple_evaluate(model=hflm, tasks=[task], log_samples=True, bootstrap_iters=0,
+                              task_manager=TaskManager(include_path=task_dir, include_defaults=False))
+samples = [{"doc_id": s["doc_id"], "filter": s["filter"], "resps": sanitize_list(s["resps"]),
+            "filtered_resps": sanitize_list(s["filtered_resps"])} for s in out["samples"][task]]
+print(json.dumps({"shapes": shapes, "results": out["results"][task], "samples": samples}))
+"""
+
+
+def stdlib_prose() -> List[str]:
+    """Paragraphs of prose from the docstrings of Python's standard library, in file order."""
+    paragraphs = []
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+        if {"test", "tests", "idlelib", "site-packages", "lib2to3"} & set(path.parts):
+            continue
+        try:
+            tree = ast.parse(path.read_text(errors="ignore"))
+        except (SyntaxError, ValueError):
+            continue
+        kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+        docs = [ast.get_docstring(node) for node in ast.walk(tree) if isinstance(node, kinds)]
+        paragraphs += [p for doc in docs if doc for p in prose_paragraphs(doc)]
+    return paragraphs
+
+
+def prose_paragraphs(docstring: str) -> List[str]:
+    """The paragraphs of a docstring that read as prose (letters and punctuation, no code)."""
+    texts = (" ".join(block.split()) for block in re.split(r"\n\s*\n", docstring))
+    return [t for t in texts if len(t) > 60 and sum(c.isalpha() or c in " ,.;:'" for c in t) > 0.9 * len(t)]
+
+
+def sentences(paragraphs: List[str]) -> List[str]:
+    return [s for p in paragraphs for s in re.split(r"(?<=[.!?]) ", p) if 6 <= len(s.split()) <= 40]
+
+
+def mmlu_docs(rng: np.random.Generator, lines: List[str], n: int) -> List[Dict[str, Any]]:
+    """cais/mmlu rows: a sentence with one word blanked out, four words to fill it."""
+    words = sorted({w for line in lines for w in re.findall(r"\b[a-z]{5,}\b", line)})
+    docs = []
+    for line in rng.choice(lines, n, replace=False):
+        word = str(rng.choice(re.findall(r"\b[a-z]{5,}\b", line) or ["which"]))
+        choices = [word] + [str(w) for w in rng.choice(words, 3, replace=False)]
+        answer = int(rng.integers(4))
+        choices[0], choices[answer] = choices[answer], choices[0]
+        docs.append({"question": line.replace(word, "_____", 1) + " Which word fills the blank?",
+                     "subject": "python", "choices": choices, "answer": answer})
+    return docs
+
+
+def hellaswag_docs(rng: np.random.Generator, lines: List[str], n: int) -> List[Dict[str, Any]]:
+    """Rowan/hellaswag rows: a sentence and the first words of the next; four endings, the
+    true rest of that sentence and the rests of three others."""
+    docs = []
+    for i in rng.choice(len(lines) - 1, n, replace=False):
+        words, label = lines[i + 1].split(" "), int(rng.integers(4))
+        others = [" ".join(lines[j].split(" ")[3:]) for j in rng.choice(len(lines), 3, replace=False)]
+        docs.append({"ind": int(i), "activity_label": "Python", "ctx_a": lines[i], "ctx_b": " ".join(words[:3]),
+                     "ctx": "", "endings": others[:label] + [" ".join(words[3:])] + others[label:],
+                     "source_id": f"s{i}", "split": "val", "split_type": "indomain", "label": str(label)})
+    return docs
+
+
+def gsm8k_docs(rng: np.random.Generator, n: int) -> List[Dict[str, Any]]:
+    """openai/gsm8k rows: word problems of one to four additions, a worked answer, "#### N"."""
+    docs = []
+    for _ in range(n):
+        name, item = str(rng.choice(NAMES)), str(rng.choice(ITEMS))
+        counts = [int(c) for c in rng.integers(2, 40, int(rng.integers(2, 6)))]
+        gifts = "".join(f" A friend gives {name} {c} more." for c in counts[1:])
+        sums = [f"{name} has {sum(counts[:k])} + {c} = {sum(counts[:k + 1])} {item}."
+                for k, c in enumerate(counts[1:], 1)]
+        docs.append({"question": f"{name} has {counts[0]} {item}.{gifts} How many {item} does {name} have now?",
+                     "answer": " ".join(sums) + f"\n#### {sum(counts)}"})
+    return docs
+
+
+def wikitext_docs(rng: np.random.Generator, paragraphs: List[str], n: int) -> List[Dict[str, str]]:
+    """EleutherAI/wikitext_document_level rows: runs of consecutive paragraphs, 1 to 80 of
+    them, log-uniform (a median page of about 300 tokens; a few need two rolling windows)."""
+    sizes = np.exp(rng.uniform(0, np.log(80), n)).astype(int)
+    starts = rng.integers(0, len(paragraphs) - 80, n)
+    return [{"page": "\n".join(paragraphs[s:s + k])} for s, k in zip(starts, sizes)]
+
+
+def write_task(task_dir: Path, name: str, include: str, splits: Dict[str, List[Dict[str, Any]]],
+               **fields: Any) -> None:
+    """A task YAML (JSON is YAML) that includes an installed lm-eval task and replaces its
+    dataset with one JSONL file per split."""
+    files = {}
+    for split, rows in splits.items():
+        files[split] = str(task_dir / f"{name}_{split}.jsonl")
+        Path(files[split]).write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = {"task": name, "include": str(Path(importlib.util.find_spec("lm_eval").origin).parent / "tasks" / include),
+              "dataset_path": "json", "dataset_name": None, "dataset_kwargs": {"data_files": files}, **fields}
+    (task_dir / f"{name}.yaml").write_text(json.dumps(config, indent=1))
+
+
+def write_shape_tasks(cfg: BenchConfig, task_dir: Path, paragraphs: List[str]) -> List[str]:
+    """The four local tasks; returns the text they hold (the tokenizer learns from it too)."""
+    rng, lines = np.random.default_rng(cfg.seed), sentences(paragraphs[: len(paragraphs) // 2])
+    mmlu = {"dev": mmlu_docs(rng, lines, 5), "test": mmlu_docs(rng, lines, cfg.mmlu_questions)}
+    write_task(task_dir, "local_mmlu", "mmlu/default/_default_template_yaml", mmlu, num_fewshot=5,
+               description="The following are multiple choice questions (with answers) about python.\n\n")
+    hellaswag = {"train": hellaswag_docs(rng, lines, 4), "validation": hellaswag_docs(rng, lines, cfg.hellaswag_items)}
+    write_task(task_dir, "local_hellaswag", "hellaswag/hellaswag.yaml", hellaswag)
+    gsm8k = {"train": gsm8k_docs(rng, 8), "test": gsm8k_docs(rng, cfg.gsm8k_questions)}
+    write_task(task_dir, "local_gsm8k", "gsm8k/gsm8k.yaml", gsm8k, num_fewshot=5,
+               generation_kwargs={"until": GSM8K_UNTIL, "do_sample": False, "max_gen_toks": cfg.max_gen_toks})
+    pages = wikitext_docs(rng, paragraphs[len(paragraphs) // 2:], cfg.wikitext_docs + 4)
+    write_task(task_dir, "local_wikitext", "wikitext/wikitext.yaml",
+               {"train": pages[:2], "validation": pages[2:4], "test": pages[4:]})
+    return [json.dumps(rows) for task in (mmlu, hellaswag, gsm8k) for rows in task.values()]
+
+
+def train_tokenizer(texts: List[str], vocab_size: int, path: Path) -> int:
+    """A byte-level BPE trained on `texts` (no prefix space, every byte in its alphabet,
+    <|endoftext|> as BOS and EOS, none added to texts), saved as PreTrainedTokenizerFast.
+    Returns its vocabulary size, which stops short of vocab_size when the text runs out."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT],
+                                                       show_progress=False,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOT, eos_token=EOT).save_pretrained(path)
+    config_file = path / "tokenizer_config.json"  # else AutoTokenizer would pick a class by model type
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()),
+                                       "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2))
+    return tok.get_vocab_size()
+
+
+def save_llama(cfg: BenchConfig, vocab: int, eot_id: int, path: Path) -> int:
+    """A Llama of --layers/--width/--heads/--kv-heads/--mlp-hidden, random weights of std
+    --init-std, tied embeddings, context --context, as a HuggingFace directory; returns
+    its parameter count."""
+    torch.manual_seed(cfg.seed)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=cfg.width, intermediate_size=cfg.mlp_hidden or 4 * cfg.width,
+        num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads or cfg.heads,
+        max_position_embeddings=cfg.context, tie_word_embeddings=True, rope_theta=100000.0,
+        initializer_range=cfg.init_std, bos_token_id=eot_id, eos_token_id=eot_id)
+    model = transformers.LlamaForCausalLM(config)
+    model.save_pretrained(path)
+    return sum(p.numel() for p in model.parameters())
+
+
+def build_shapes(cfg: BenchConfig, workdir: Path, say: Callable[[str], None]) -> Dict[str, Any]:
+    """The model directory and the task directory under workdir, made once per recipe (the
+    options they depend on): a rerun with the same options reuses them."""
+    recipe = {k: getattr(cfg, k) for k in ("layers", "width", "heads", "kv_heads", "mlp_hidden", "context", "vocab",
+                                            "init_std", "seed", "mmlu_questions", "hellaswag_items",
+                                            "gsm8k_questions", "max_gen_toks", "wikitext_docs")}
+    model_dir, task_dir, made = workdir / "model", workdir / "tasks", workdir / "recipe.json"
+    if made.exists() and json.loads(made.read_text()) == recipe:
+        return json.loads((workdir / "built.json").read_text())
+    say("making the tasks, the tokenizer and the random Llama")
+    shutil.rmtree(workdir, ignore_errors=True)
+    task_dir.mkdir(parents=True)
+    paragraphs = stdlib_prose()
+    texts = write_shape_tasks(cfg, task_dir, paragraphs)
+    vocab = train_tokenizer(paragraphs + texts, cfg.vocab, model_dir)
+    params = save_llama(cfg, vocab, transformers.AutoTokenizer.from_pretrained(model_dir).eos_token_id, model_dir)
+    built = {"model": str(model_dir), "tasks": str(task_dir), "vocab": vocab, "params": params}
+    (workdir / "built.json").write_text(json.dumps(built))
+    made.write_text(json.dumps(recipe))
+    return built
+
+
+def run_side(command: List[str], cache: Path) -> Tuple[float, Dict[str, Any]]:
+    """(whole wall seconds, the JSON it printed last) of one contender's process. Each gets
+    a fresh datasets cache, so both pay for reading the JSONL files."""
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(cache)}
+    started = time.perf_counter()
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parent)
+    seconds = time.perf_counter() - started
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(command[:3])} ... failed:\n{proc.stderr[-3000:]}")
+    return seconds, json.loads(proc.stdout.splitlines()[-1])
+
+
+def run_ours(cfg: BenchConfig, built: Dict[str, Any], task: str, out: Path) -> Tuple[float, Dict[str, Any]]:
+    """This project's side: its command line's job on the task, then its samples and scores."""
+    args = ["--ckpt", built["model"], "--tasks", task, "--include-path", built["tasks"], "--batch-size",
+            str(cfg.batch), "--dtype", cfg.dtype, "--log-samples", "--bootstrap-iters", "0", "--out", str(out)]
+    seconds, work = run_side([sys.executable, "-c", OUR_SIDE, *args], out / "datasets")
+    files = json.loads((out / "results.json").read_text())["lm_eval"]
+    samples = [json.loads(line) for line in (out / files["samples"][task]).read_text().splitlines()]
+    results = json.loads((out / files["results"]).read_text())["results"][task]
+    return seconds, {**work, "samples": samples, "results": results}
+
+
+def leaves(value: Any) -> List[str]:
+    """The strings of a nested response (lm-eval's samples hold them as strings)."""
+    return [s for v in value for s in leaves(v)] if isinstance(value, list) else [str(value)]
+
+
+def agreement(theirs: Dict[str, Any], ours: Dict[str, Any]) -> Dict[str, Any]:
+    """Every response side by side: the largest relative difference of the numbers (log-
+    likelihoods), how many of the rest (is_greedy, texts, answers) are identical, and the
+    largest relative difference of the task's scores."""
+    key = lambda s: (s["doc_id"], s["filter"])
+    pairs = [(a, b) for t, o in zip(sorted(theirs["samples"], key=key), sorted(ours["samples"], key=key))
+             for a, b in zip(leaves(t["resps"]) + leaves(t["filtered_resps"]),
+                             leaves(o["resps"]) + leaves(o["filtered_resps"]))]
+    numbers = [(float(a), float(b)) for a, b in pairs if re.fullmatch(r"-?\d+\.\d*(e-?\d+)?", a)]
+    others = [(a, b) for a, b in pairs if not re.fullmatch(r"-?\d+\.\d*(e-?\d+)?", a)]
+    scores = [(v, ours["results"][k]) for k, v in theirs["results"].items() if isinstance(v, float)]
+    relative = lambda xs: max([abs(b - a) / max(abs(a), 1e-12) for a, b in xs], default=0.0)
+    return {"same_count": len(theirs["samples"]) == len(ours["samples"]), "max_rel": relative(numbers),
+            "identical": sum(a == b for a, b in others), "compared": len(others), "scores_rel": relative(scores),
+            "scores": {k: v for k, v in ours["results"].items() if isinstance(v, float)}}
+
+
+def work_done(theirs: Dict[str, Any], ours: Dict[str, Any], generation: bool) -> Dict[str, Any]:
+    """Tokens computed per request (the padded slots every forward pass ran) and, for
+    generation, the decoding steps (new tokens per row, summed over batches), both sides."""
+    requests = sum(len(s["resps"]) for s in ours["samples"] if s["filter"] == ours["samples"][0]["filter"])
+    hf_slots = sum(b * t for b, t in theirs["shapes"])
+    our_slots = sum(c * r * t for _, c, r, t in ours["blocks"]) + sum(r * run for r, run, _ in ours["rollouts"])
+    out = {"requests": requests, "hf_tokens_per_request": hf_slots / requests,
+           "our_tokens_per_request": our_slots / requests}
+    if generation:  # each of HF's forward calls (prefill included) gives one token per row
+        out.update(hf_steps=len(theirs["shapes"]), our_steps=sum(run for _, run, _ in ours["rollouts"]),
+                   needed_steps=sum(need for _, _, need in ours["rollouts"]))
+    return out
+
+
+def bench_shapes(cfg: BenchConfig, say: Callable[[str], None]) -> Dict[str, Any]:
+    """Each workload of --workloads through both sides, lm-eval's first; their wall times,
+    the work each computed, and whether their answers agree."""
+    if torch is None or importlib.util.find_spec("lm_eval") is None:
+        raise UsageError("--shapes needs torch and lm-eval's HF model: pip install torch==2.13.0 "
+                         "'lm-eval[hf]==0.4.13'")
+    unknown = [w for w in cfg.workloads.split(",") if w not in SHAPES]
+    if unknown:
+        raise UsageError(f"--workloads: unknown {unknown[0]!r}; choose from {', '.join(SHAPES)}")
+    workdir = Path(cfg.workdir or tempfile.mkdtemp(prefix="bench-shapes-"))
+    built, out = build_shapes(cfg, workdir, say), {}
+    for name in cfg.workloads.split(","):
+        task, runs = SHAPES[name][0], workdir / "runs" / name
+        shutil.rmtree(runs, ignore_errors=True)
+        say(f"{name}: lm-eval's HF model")
+        hf_side = [built["model"], built["tasks"], task, str(cfg.batch), cfg.device, cfg.dtype]
+        hf_s, theirs = run_side([sys.executable, "-c", HF_SIDE, *hf_side], runs / "hf-datasets")
+        say(f"{name}: this project")
+        our_s, ours = run_ours(cfg, built, task, runs / "ours")
+        out[name] = {"hf_seconds": hf_s, "our_seconds": our_s, **agreement(theirs, ours),
+                     **work_done(theirs, ours, name == "gsm8k")}
+        # sums in another order: float32 log-likelihoods agree to ~1e-5 (texts may differ after a near-tie)
+        assert out[name]["same_count"] and out[name]["max_rel"] < tolerance(cfg), f"{name}: answers differ: {out[name]}"
+    if not cfg.workdir:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return {"built": built, "workloads": out}
+
+
+def shapes_table(cfg: BenchConfig, r: Dict[str, Any]) -> str:
+    b = r["shapes"]["built"]
+    lines = [f"model: llama, {cfg.layers} layers, {cfg.width} wide, {cfg.heads} heads ({cfg.kv_heads or cfg.heads} "
+             f"kv), MLP {cfg.mlp_hidden or 4 * cfg.width}, vocab {b['vocab']}, context {cfg.context}, "
+             f"{b['params'] / 1e6:.1f}M parameters, {cfg.dtype}, random weights (std {cfg.init_std})",
+             f"machine: {os.cpu_count()} CPUs (load average {r['load'][0]:.1f} -> {r['load'][1]:.1f}); lm-eval's "
+             f"HF model on {cfg.device}; batch {cfg.batch} for both; whole processes", "",
+             f"  {'workload':10s} {'requests':>8s} {'lm-eval s':>9s} {'ours s':>7s} {'ratio':>6s} "
+             f"{'tokens/request':>15s} {'decoding steps':>22s}  agreement"]
+    for name, w in r["shapes"]["workloads"].items():
+        steps = (f"{w['hf_steps']:6d} {w['our_steps']:6d} ({w['needed_steps']})" if "hf_steps" in w else "-")
+        lines.append(f"  {name:10s} {w['requests']:8d} {w['hf_seconds']:9.1f} {w['our_seconds']:7.1f} "
+                     f"{w['hf_seconds'] / w['our_seconds']:5.2f}x {w['hf_tokens_per_request']:7.1f} "
+                     f"{w['our_tokens_per_request']:7.1f} {steps:>22s}  log-likelihoods within {w['max_rel']:.1e}, "
+                     f"{w['identical']}/{w['compared']} answers identical, scores within {w['scores_rel']:.1e}")
+    lines += ["", "  tokens/request: lm-eval's, then ours; decoding steps: lm-eval's, ours (what the stop "
+              "strings needed)", *(f"  {name}: {SHAPES[name][1]}" for name in r["shapes"]["workloads"])]
+    if max(r["load"]) > os.cpu_count():
+        lines += ["", f"note: the machine was busy (load average up to {max(r['load']):.1f} on {os.cpu_count()} "
+                  "CPUs): the wall times are noisy"]
+    lines.append(f"\nbench ran {r['seconds']:.0f} s")
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------- report
 
 
@@ -739,6 +1090,8 @@ def bench(argv: List[str]) -> None:
     if cfg.limits:
         say(f"limits: scoring, batch-1 decoding, matmul peak and memory read: warm-up + {cfg.reps} rounds")
         results["limits"] = bench_limits(cfg, log)
+    elif cfg.shapes:
+        results["shapes"] = bench_shapes(cfg, say)
     else:
         results.update(against_transformers(cfg, log, say))
     results["seconds"] = time.perf_counter() - started
@@ -746,7 +1099,8 @@ def bench(argv: List[str]) -> None:
     if cfg.json:
         print(json.dumps(results, indent=2))
     else:
-        print(limits_table(cfg, results) if cfg.limits else table(cfg, results))
+        report = limits_table if cfg.limits else shapes_table if cfg.shapes else table
+        print(report(cfg, results))
 
 
 if __name__ == "__main__":

@@ -718,7 +718,8 @@ class GPT(Module):
         return self.drop(x_BTD, deterministic=deterministic)
 
     def decode(self, x: jax.Array, padding_mask: Optional[jax.Array] = None, deterministic: bool = False,
-               positions: Optional[jax.Array] = None, cache: Optional[KVCache] = None, **kwargs: Any):
+               positions: Optional[jax.Array] = None, cache: Optional[KVCache] = None,
+               allowed: Optional[jax.Array] = None, **kwargs: Any):
         """Run the blocks over embeddings x [B, T, D]. Returns x, or (x, cache) with a cache.
 
         padding_mask [B, T] is True at real tokens; padded keys are never attended to, so
@@ -728,6 +729,11 @@ class GPT(Module):
         to every earlier valid slot. On local layers a sliding window counts slots (token
         indices, as transformers counts them): with left padding only, a row's real tokens
         sit in consecutive slots, so it is the window of positions too.
+
+        allowed [B, T, T] (no cache) says outright which keys each query sees: several
+        sequences packed into one row, each with its own `positions` (inference.py packs the
+        choices of a question after their shared context). A sliding window then counts
+        positions, since a packed row's slots are not its positions.
         """
         x_BTD = x
         B, T, _ = x_BTD.shape
@@ -743,7 +749,11 @@ class GPT(Module):
             query_T, key_S = slot + jnp.arange(T), jnp.arange(valid_BS.shape[1])
             kvs = list(zip(cache.keys, cache.values))
         allowed_BTS = local_BTS = None  # without a padding mask or cache: the fused path (attend_causal)
-        if padding_mask is not None or cache is not None:
+        if allowed is not None:
+            allowed_BTS = local_BTS = allowed
+            if self.sliding_window is not None:
+                local_BTS = allowed & (pos_BT[:, :, None] - pos_BT[:, None, :] < self.sliding_window)
+        elif padding_mask is not None or cache is not None:
             allowed_BTS = local_BTS = causal_allowed(valid_BS, query_T, key_S)
             if self.sliding_window is not None:
                 local_BTS = allowed_BTS & window_allowed(query_T, key_S, self.sliding_window)[None]
@@ -929,46 +939,74 @@ def sample_token(logits_BV: jax.Array, keys_B: Optional[jax.Array], temperature:
     return jax.vmap(jax.random.categorical)(keys_B, logits).astype(jnp.int32)
 
 
+def pick_token(logits_BV: jax.Array, step: jax.Array, keys_B: Optional[jax.Array], temperature: float,
+               top_p: float) -> jax.Array:
+    """The token of new position `step`: each sample's key folded with the step, so a token
+    depends on its sample and position only, never on the batch or on where a call began."""
+    keys = None if keys_B is None else jax.vmap(lambda k: jax.random.fold_in(k, step))(keys_B)
+    return sample_token(logits_BV, keys, temperature, top_p)
+
+
+class Rollout(NamedTuple):
+    """Decoding in progress, between calls of continue_rollout: `step` new tokens written
+    into out_BN [B, N], each row's next token (chosen, not yet written), the KV cache, and
+    which rows are done (EOS, an empty prompt, or whatever the caller decided)."""
+
+    step: jax.Array
+    next_B: jax.Array
+    cache: KVCache
+    out_BN: jax.Array
+    done_B: jax.Array
+
+
+def start_rollout(model: GPT, params: Any, prompt_BP: jax.Array, mask_BP: jax.Array, max_new_tokens: int,
+                  eos_id: Optional[int] = None, temperature: float = 0.0, top_p: float = 1.0,
+                  keys_B: Optional[jax.Array] = None) -> Rollout:
+    """The prefill: one GPT.extend call puts the left-padded prompts (mask_BP True at real
+    tokens) into a cache of exactly P + max_new_tokens slots and picks each first token. A
+    row with an empty prompt only pads the batch: it is done from the start."""
+    B, P = prompt_BP.shape
+    cache = model.init_cache(B, P + max_new_tokens)
+    logits_BV, cache = model.apply(params, prompt_BP, mask_BP, cache, method=GPT.extend)
+    out_BN = jnp.full((B, max_new_tokens), 0 if eos_id is None else eos_id, jnp.int32)
+    first_B = pick_token(logits_BV, 0, keys_B, temperature, top_p)
+    return Rollout(jnp.zeros((), jnp.int32), first_B, cache, out_BN, ~mask_BP.any(-1))
+
+
+def continue_rollout(model: GPT, params: Any, rollout: Rollout, steps: int, eos_id: Optional[int] = None,
+                     temperature: float = 0.0, top_p: float = 1.0, keys_B: Optional[jax.Array] = None) -> Rollout:
+    """Up to `steps` more tokens per row in one while_loop, which ends early once every row
+    is done and never writes past out_BN's N slots. After a row's eos_id the rest of its
+    row repeats eos_id."""
+    B, N = rollout.out_BN.shape
+    stop = -1 if eos_id is None else eos_id
+    end = jnp.minimum(rollout.step + steps, N)
+
+    def cond(r: Rollout) -> jax.Array:
+        return (r.step < end) & ~r.done_B.all()
+
+    def body(r: Rollout) -> Rollout:
+        out_BN = r.out_BN.at[:, r.step].set(r.next_B)
+        done_B = r.done_B | (r.next_B == stop)
+        logits_BV, cache = model.apply(params, r.next_B[:, None], jnp.ones((B, 1), bool), r.cache,
+                                       method=GPT.extend)
+        next_B = jnp.where(done_B, stop, pick_token(logits_BV, r.step + 1, keys_B, temperature, top_p))
+        return Rollout(r.step + 1, next_B, cache, out_BN, done_B)
+
+    return jax.lax.while_loop(cond, body, rollout)
+
+
 def generate(model: GPT, params: Any, prompt_BP: jax.Array, mask_BP: jax.Array, max_new_tokens: int,
              eos_id: Optional[int] = None, temperature: float = 0.0, top_p: float = 1.0,
              keys_B: Optional[jax.Array] = None) -> jax.Array:
-    """Autoregressive decoding with a KV cache, all inside one traced function.
-
-    prompt_BP is left-padded (mask_BP True at real tokens). One prefill call fills the
-    cache, then a while_loop adds one token per step until max_new_tokens or until every
-    row has produced eos_id (a row with an empty prompt only pads the batch: it counts as
-    done from the start). The cache holds exactly P + max_new_tokens slots. keys_B
-    (one PRNG key per sample) makes sampling independent of batching. Returns the new
-    tokens [B, N]; after a row's eos_id the rest of the row repeats eos_id.
-    """
-    B, P = prompt_BP.shape
-    N = max_new_tokens
-    cache = model.init_cache(B, P + N)
-    logits_BV, cache = model.apply(params, prompt_BP, mask_BP, cache, method=GPT.extend)
-    stop = -1 if eos_id is None else eos_id
-
-    def pick(logits_BV, step):
-        keys = None if keys_B is None else jax.vmap(lambda k: jax.random.fold_in(k, step))(keys_B)
-        return sample_token(logits_BV, keys, temperature, top_p)
-
-    def cond(carry):
-        step, _, _, _, done_B = carry
-        return (step < N) & ~done_B.all()
-
-    def body(carry):
-        step, token_B, cache, out_BN, done_B = carry
-        out_BN = out_BN.at[:, step].set(token_B)
-        done_B = done_B | (token_B == stop)
-        logits_BV, cache = model.apply(params, token_B[:, None], jnp.ones((B, 1), bool), cache,
-                                       method=GPT.extend)
-        next_B = jnp.where(done_B, stop, pick(logits_BV, step + 1))
-        return step + 1, next_B, cache, out_BN, done_B
-
-    first_B = pick(logits_BV, 0)
-    out_BN = jnp.full((B, N), stop if eos_id is not None else 0, jnp.int32)
-    done_B = ~mask_BP.any(-1)  # rows that only pad a batch are done before they start
-    carry = (jnp.zeros((), jnp.int32), first_B, cache, out_BN, done_B)
-    return jax.lax.while_loop(cond, body, carry)[3]
+    """Autoregressive decoding with a KV cache, all inside one traced function: the prefill
+    (start_rollout), then one token per step until max_new_tokens or until every row has
+    produced eos_id (continue_rollout). keys_B (one PRNG key per sample) makes sampling
+    independent of batching. Returns the new tokens [B, N]; after a row's eos_id the rest
+    of the row repeats eos_id. (inference.py runs the same two parts in segments, to stop
+    at stop strings too.)"""
+    rollout = start_rollout(model, params, prompt_BP, mask_BP, max_new_tokens, eos_id, temperature, top_p, keys_B)
+    return continue_rollout(model, params, rollout, max_new_tokens, eos_id, temperature, top_p, keys_B).out_BN
 
 
 # ----------------------------------------------------------------------------- meshes

@@ -5,21 +5,26 @@
     [(request, scored)] = job.loglikelihood([Request(0, context_ids, continuation_ids)])
 
 This file and gpt.py are all it needs: copy the two into another project. Reading order:
-the tokenizer it expects -> the three request types and their results -> how requests
-become fixed-shape blocks (padding, sorting, scheduling) -> InferenceJob: the jitted
-kernels (one lax.scan over a block's batches), then loglikelihood, loglikelihood_rolling
-and generate_until, named as lm-evaluation-harness names them:
+the tokenizer it expects -> the three request types and their results -> shared contexts
+(requests packed into one row) and stop strings -> how requests become fixed-shape blocks
+(padding, sorting, scheduling) and progress reports -> InferenceJob: the jitted kernels
+(one lax.scan over a block's batches; decoding in segments), then loglikelihood,
+loglikelihood_rolling and generate_until, named as lm-evaluation-harness names them:
 - loglikelihood: the log-probability of a continuation given a context (token ids);
+  requests in a row that see the same context share one pass over it;
 - loglikelihood_rolling: a whole document scored token by token in windows of the
   context length (perplexity, next-token accuracy);
-- generate_until: new tokens after a prompt until EOS, a stop string or the limit.
+- generate_until: new tokens after a prompt until EOS, a stop string or the limit;
+  a batch stops decoding once each of its rows has reached one of them.
 Each request carries the index of its document, and results come back in request order.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import sys
+import time
 from typing import Any, Callable, Dict, Iterable, Iterator, List, NamedTuple, Optional, Protocol, Sequence, Tuple
 
 import jax
@@ -66,7 +71,8 @@ class Tokenizer(Protocol):
 
 
 class Request(NamedTuple):
-    """loglikelihood: score `continuation` given `context` (token ids), for document `doc`."""
+    """loglikelihood: score `continuation` given `context` (token ids, at least one), for
+    document `doc`."""
 
     doc: int
     context: List[int]
@@ -74,8 +80,8 @@ class Request(NamedTuple):
 
 
 class GenerationRequest(NamedTuple):
-    """generate_until: new tokens after `prompt` (token ids) for document `doc`, the text
-    cut at the first of the `until` strings."""
+    """generate_until: new tokens after `prompt` (token ids) for document `doc`, decoding
+    stopped and the text cut at the first of the `until` strings."""
 
     doc: int
     prompt: List[int]
@@ -86,7 +92,8 @@ class GenerationRequest(NamedTuple):
 class Scored:
     """One loglikelihood request's outcome: summed log-probability of the continuation,
     its token count, how many of its tokens were the argmax prediction, and the padded row
-    that was run (tokens, mask), kept only when asked for."""
+    that was run (tokens, mask), kept only when asked for (requests packed together share
+    their row)."""
 
     logprob: float
     tokens: int
@@ -97,7 +104,8 @@ class Scored:
 @dataclasses.dataclass
 class Generation:
     """One generate_until request's outcome: the text (cut at a stop string), the new token
-    ids (cut at EOS), whether the prompt was cut from the left to fit, the prompt row run."""
+    ids (up to EOS, or through the token that completed the stop string), whether the prompt
+    was cut from the left to fit, the prompt row run."""
 
     text: str
     tokens: List[int]
@@ -131,13 +139,200 @@ def cut_at_stop(text: str, stops: Sequence[str]) -> str:
     return text[:cut]
 
 
+# ----------------------------------------------------------------------------- shared contexts
+# Multiple choice asks for one context with several continuations (MMLU's " A" ... " D",
+# hellaswag's four endings), and few-shot prompts begin alike (MMLU 5-shot: the same five
+# examples before every question of a subject). So consecutive requests share rows: one row
+# holds a prefix its contexts have in common, then each context's own tokens, each followed
+# by the input tokens of its continuations (all but their last). Every token keeps the
+# position it has alone and sees what it sees alone, the prefix and its own context and
+# continuation, never another's (packed_allowed): the scores are those of each request
+# alone. A continuation's first token is predicted at its context's last position, so
+# one-token continuations add nothing to the row: one pass answers them all.
+#
+# Why one packed row, not the shared tokens prefilled once into a KV cache and the rest
+# extended from it: a packed row is one sequence like any other, so it goes through the same
+# sorted, fixed-shape blocks and one kernel; the cache way needs a second kernel, caches
+# copied per continuation and a schedule in two dimensions. What packing gives up: a packed
+# block attends through an explicit mask, not the fused causal kernel (cuDNN on a GPU), and
+# its rows are longer; blocks with nothing packed still take the fused kernel.
+
+PACK_EXTRA = 512  # a packed row is at most this many tokens longer than its longest request alone
 
 
-# ----------------------------------------------------------------------------- blocks
+class Pack(NamedTuple):
+    """Requests scored in one row (see pack_requests): the row's tokens, the position of
+    each, its branch (0: the shared prefix; q: the q-th context's own tokens and its
+    continuations') and leaf (0: the context's own tokens; k: its k-th continuation's),
+    and each scored token as (index of the row token that predicts it, target, request)."""
+
+    requests: List[Request]
+    tokens: List[int]
+    positions: List[int]
+    branches: List[int]
+    leaves: List[int]
+    scored: List[Tuple[int, int, int]]
+
+
+class Context(NamedTuple):
+    """One context of a pack: its tokens after the shared prefix, and its requests, each
+    with its continuation's input tokens."""
+
+    own: List[int]
+    members: List[Tuple[Request, List[int]]]
+
+
+def split_request(r: Request, max_len: int) -> Tuple[List[int], List[int]]:
+    """(the context as the request sees it, its continuation's input tokens). Alone, a
+    request runs the last max_len + 1 tokens of context + continuation minus the last one,
+    and its continuation is scored at the last len(continuation) predictions: that row is
+    these two lists joined. A request cut from the left sees a shorter context."""
+    row = (r.context + r.continuation)[-(max_len + 1):][:-1]
+    tail = max(len(r.continuation) - 1, 0)
+    return row[:len(row) - tail], row[len(row) - tail:]
+
+
+def make_pack(prefix: List[int], contexts: List[Context]) -> Pack:
+    tokens, positions, branches, leaves = list(prefix), list(range(len(prefix))), [0] * len(prefix), [0] * len(prefix)
+    requests: List[Request] = []
+    scored: List[Tuple[int, int, int]] = []
+
+    def add(ids: List[int], start: int, branch: int, leaf: int) -> None:
+        tokens.extend(ids)
+        positions.extend(range(start, start + len(ids)))
+        branches.extend([branch] * len(ids))
+        leaves.extend([leaf] * len(ids))
+
+    for q, context in enumerate(contexts, 1):
+        add(context.own, len(prefix), q, 0)
+        last, start = len(tokens) - 1, len(prefix) + len(context.own)  # the context's last token
+        for k, (r, tail) in enumerate(context.members, 1):
+            predictors = [last] + list(range(len(tokens), len(tokens) + len(tail)))
+            scored += [(where, target, len(requests)) for where, target in zip(predictors, r.continuation)]
+            requests.append(r)
+            add(tail, start, q, k)
+    return Pack(requests, tokens, positions, branches, leaves, scored)
+
+
+def joined(prefix: List[int], contexts: List[Context], seen: List[int], member: Tuple[Request, List[int]],
+           longest: int, max_len: int) -> Optional[Tuple[List[int], List[Context]]]:
+    """(prefix, contexts) with one more request, whose context is `seen`, or None where it
+    does not join them: it shares its whole context with the last one, or a prefix of at
+    least as many tokens as it adds (with one context so far, the prefix is theirs in
+    common). One token is no prefix: it is BOS alone (the first rolling window of every
+    document), and sharing it would pack whole documents to save a token. The row holds at
+    most max_len tokens and max_len scored ones, and at most PACK_EXTRA more than `longest`,
+    the longest of its requests alone: a row's attention needs memory in the square of its
+    length, and a batch that fits alone should fit packed."""
+    last = contexts[-1]
+    if seen == prefix + last.own:
+        contexts = contexts[:-1] + [Context(last.own, last.members + [member])]
+    else:
+        shared = len(prefix) if len(contexts) > 1 else common_length(prefix, seen)
+        if seen[:shared] != prefix[:shared] or shared < len(seen) - shared:
+            return None
+        if len(contexts) == 1:  # the first context's tokens beyond the common prefix become its own
+            contexts = [Context(prefix[shared:], last.members)]
+        prefix, contexts = prefix[:shared], contexts + [Context(seen[shared:], [member])]
+    size = len(prefix) + sum(len(c.own) + sum(len(t) for _, t in c.members) for c in contexts)
+    scored = sum(len(r.continuation) for c in contexts for r, _ in c.members)
+    if len(prefix) < 2 or size > min(max_len, longest + PACK_EXTRA) or scored > max_len:
+        return None
+    return prefix, contexts
+
+
+def common_length(a: List[int], b: List[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def pack_requests(requests: Iterable[Request], max_len: int, share: bool) -> Iterator[Pack]:
+    """Requests in order, in packs of consecutive ones (see joined); with share False, a
+    row each."""
+    prefix: List[int] = []
+    contexts: List[Context] = []
+    longest = 0  # the longest request of the pack, alone
+    for r in requests:
+        if not r.context:
+            raise RequestError("a loglikelihood request needs at least one context token (BOS, or EOS)")
+        seen, tail = split_request(r, max_len)
+        alone = len(seen) + len(tail)
+        grown = joined(prefix, contexts, seen, (r, tail), max(longest, alone), max_len) if share and contexts else None
+        if grown is not None:
+            (prefix, contexts), longest = grown, max(longest, alone)
+            continue
+        if contexts:
+            yield make_pack(prefix, contexts)
+        prefix, contexts, longest = seen, [Context([], [(r, tail)])], alone
+    if contexts:
+        yield make_pack(prefix, contexts)
+
+
+def packed_allowed(branches_BT: jax.Array, leaves_BT: jax.Array) -> jax.Array:
+    """Which keys each query of a packed row sees [B, T, T]: itself and the earlier tokens
+    of the shared prefix (branch 0), of its own context (its branch, leaf 0) and of its own
+    continuation (its branch and leaf); padding (branch -1) none."""
+    T = branches_BT.shape[1]
+    earlier_1TS = jnp.tril(jnp.ones((T, T), bool))[None]
+    query_branch, key_branch = branches_BT[:, :, None], branches_BT[:, None, :]
+    query_leaf, key_leaf = leaves_BT[:, :, None], leaves_BT[:, None, :]
+    own_branch = (key_branch == query_branch) & ((key_leaf == 0) | (key_leaf == query_leaf))
+    return earlier_1TS & (key_branch >= 0) & ((key_branch == 0) | own_branch)
+
+
+def scored_slots(packs: List[Pack], rows: int, width: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """[rows, width] each: where in its row each scored token is predicted, the target, and
+    whose it is (the request's index in the block, -1 for padding)."""
+    where, targets, owner = (np.full((rows, width), fill, np.int32) for fill in (0, 0, -1))
+    first = 0  # the pack's first request in the block
+    for i, p in enumerate(packs):
+        if p.scored:
+            m, (w, t, k) = len(p.scored), np.array(p.scored).T
+            where[i, :m], targets[i, :m], owner[i, :m] = w, t, first + k
+        first += len(p.requests)
+    return where, targets, owner
+
+
+# ----------------------------------------------------------------------------- stop strings
+# A row is done at EOS or once its text holds one of its stop strings; a batch stops
+# decoding when all its rows are done. Text exists only on the host, so the jitted loop
+# runs SEGMENT_STEPS tokens at a time with the cache kept on the device, and the host
+# checks the new tokens between segments (no round trip per token). A segment of 8 steps
+# overshoots the last row's end by 3.5 steps on average (at most 7), a few percent of a
+# typical answer, while a check costs a host copy of [B, N] token ids and a few decodes.
+# The check decodes the row's tokens so far: a stop string may span tokens or end inside
+# one. That assumes the text of the first k tokens is the start of the text of more tokens
+# (byte-level BPE, less an unfinished character), as lm-eval's own stopping check does, so
+# the text cut at the first stop string is the one the whole decoding would give. A row that
+# is done still runs until its batch ends: a batch has one shape, and refilling the row with
+# a waiting prompt (continuous batching) would mean a prefill into the middle of a running
+# cache; a step of few rows costs mostly the reading of the weights, whatever their number.
+
+SEGMENT_STEPS = 8
+
+
+def has_stop(text: str, stops: Sequence[str]) -> bool:
+    return any(s in text for s in stops)
+
+
+def steps_to_end(ids: List[int], eos: Optional[int], until: Sequence[str], decode: Callable[[List[int]], str],
+                 first: int = 1) -> Optional[int]:
+    """After how many of these new tokens a row is done: through its first EOS, or through
+    the token that completes one of its stop strings; None if neither is here yet. The
+    first - 1 tokens are known not to end it (the check is exact, not per segment)."""
+    by_eos = ids.index(eos) + 1 if eos is not None and eos in ids else None
+    text_ids = ids[:by_eos - 1] if by_eos else ids
+    stops = [s for s in until if s]
+    if stops and has_stop(decode(text_ids), stops):
+        return next(k for k in range(max(first, 1), len(text_ids) + 1) if has_stop(decode(text_ids[:k]), stops))
+    return by_eos
+
+
+# ----------------------------------------------------------------------------- blocks and progress
 
 
 SORT_WINDOW = 8  # blocks' worth of requests sorted by length at a time
 LOGITS_BYTES = 1 << 28  # float32 logits unembedded at a time when scoring (256 MB)
+PROGRESS_SECONDS = 5.0  # between two progress lines when stderr is not a terminal
 
 
 def padded_length(n: int, cap: int) -> int:
@@ -159,6 +354,39 @@ def is_argmax(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
     return ~beaten_BTV.any(-1)
 
 
+class Progress:
+    """Progress of one call on stderr: documents done of `total` and tokens/s. A tqdm bar on
+    a terminal; elsewhere (a batch job's log) a line every PROGRESS_SECONDS, and a last one
+    at the end if any came before: a call shorter than that prints nothing, so a quick run
+    that fails still ends with its one line. The blocks report what they finish
+    (InferenceJob.in_blocks), so it moves while a sorted window is still running."""
+
+    def __init__(self, name: str, total: int, unit: str):
+        self.name, self.total, self.unit, self.done, self.tokens = name, total, unit, 0, 0
+        self.started = self.shown = time.monotonic()
+        self.shown_done = -1  # the count the last line showed
+        self.bar = tqdm(desc=name, total=total, unit=unit, leave=False) if sys.stderr.isatty() else None
+
+    def advance(self, documents: int, tokens: int) -> None:
+        self.done, self.tokens = self.done + documents, self.tokens + tokens
+        if self.bar is not None:
+            self.bar.update(documents)
+        elif time.monotonic() - self.shown >= PROGRESS_SECONDS:
+            self.line()
+
+    def line(self) -> None:
+        self.shown, self.shown_done = time.monotonic(), self.done
+        seconds = max(self.shown - self.started, 1e-9)
+        print(f"{self.name}: {self.done}/{self.total} {self.unit}, {self.tokens / seconds:,.0f} tokens/s, "
+              f"{seconds:.0f} s", file=sys.stderr, flush=True)
+
+    def close(self, finished: bool) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        elif finished and 0 <= self.shown_done != self.done:
+            self.line()
+
+
 class InferenceJob:
     """Holds the model, its sharded parameters, the mesh and the tokenizer, and runs requests.
 
@@ -171,24 +399,33 @@ class InferenceJob:
     its own devices hold, so with several hosts no process uploads the whole block. One
     jitted call scans over the chunks; its outputs are replicated, so every process reads
     every result. Results come back in the order the requests went in.
+
+    What ran is counted, for benchmarks and tests: blocks_run (real tokens, chunks, rows,
+    length) per block, prompts' prefill blocks included; rollouts_run (rows, decoding steps
+    run, steps its rows needed) per decoded batch.
     """
 
     def __init__(self, model: gpt.GPT, variables: Any, tokenizer: Tokenizer, mesh: jax.sharding.Mesh,
-                 batch_size: int = 8, chunks: int = 16, seed: int = 0, quiet: bool = False):
+                 batch_size: int = 8, chunks: int = 16, seed: int = 0, quiet: bool = False,
+                 share_contexts: bool = True):
         """`variables` are the model's parameters placed on `mesh` (gpt.init_params or
         gpt.place_params); batch_size is the most rows per forward pass (rounded up to a
         multiple of the mesh's "batch" size), chunks how many batches one jitted call scans,
-        seed the default of generate_until's sampling, quiet turns the progress bars off."""
+        seed the default of generate_until's sampling, quiet turns progress reports off,
+        share_contexts packs requests of one context into one row (off: a row each)."""
         if tokenizer.vocab_size > model.vocab_size:
             raise RequestError(f"the tokenizer's ids reach {tokenizer.vocab_size - 1} (vocab_size "
                                f"{tokenizer.vocab_size}), beyond the model's embedding of {model.vocab_size} rows")
         self.model, self.variables, self.tokenizer, self.mesh = model, variables, tokenizer, mesh
         self.requested_batch_size, self.chunks, self.seed, self.quiet = batch_size, chunks, seed, quiet
+        self.share_contexts = share_contexts
         self.dp = mesh.shape["batch"]
         self.replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         self._score = jax.jit(self._score_block, out_shardings=self.replicated)
-        self._generators: Dict[Tuple, Callable] = {}
-        self.blocks_run: List[Tuple[int, int, int, int]] = []  # (real tokens, chunks, rows, length) of each
+        self._generators: Dict[Tuple, Tuple[Callable, Callable]] = {}
+        self.blocks_run: List[Tuple[int, int, int, int]] = []
+        self.rollouts_run: List[Tuple[int, int, int]] = []
+        self.report: Optional[Progress] = None
 
     # --- sizes, padding, placement
 
@@ -222,51 +459,93 @@ class InferenceJob:
             tokens[i, where], mask[i, where] = row, True
         return tokens, mask
 
-    def put(self, block: np.ndarray) -> jax.Array:
-        """A host block [chunks, batch, ...] onto the mesh, its batch split over "batch"."""
-        sharding = gpt.input_sharding(self.model, self.mesh, (None, "batch") + (None,) * (block.ndim - 2))
+    def put(self, block: np.ndarray, batch_axis: int = 1) -> jax.Array:
+        """A host block [chunks, batch, ...] (or [batch, ...], batch_axis 0) onto the mesh,
+        its batch split over "batch"."""
+        axes = (None,) * batch_axis + ("batch",) + (None,) * (block.ndim - batch_axis - 1)
+        sharding = gpt.input_sharding(self.model, self.mesh, axes)
         return jax.make_array_from_callback(block.shape, sharding, lambda index: block[index])
 
-    def schedule(self, lengths: List[int], cap: int) -> Iterator[Tuple[int, int, int, int]]:
-        """(start, chunks, rows, length) blocks for requests of these lengths, sorted longest
-        first. Consecutive rows make batches; each batch is padded to its own longest row
-        (padded_length); batches of one length go --chunks at a time into a block, the rest
-        one by one; a short last batch has the next power of two of rows (a multiple of the
-        data-parallel size). So no batch is all padding, little of a row is, and there are
-        only a few shapes (so few compilations) whatever the lengths."""
-        batches = [(start, min(self.batch_size, len(lengths) - start),
-                    padded_length(lengths[start], cap)) for start in range(0, len(lengths), self.batch_size)]
-        for (rows, length), group in itertools.groupby(batches, key=lambda b: b[1:]):
+    def schedule(self, sizes: List[Tuple[int, ...]], cap: int,
+                 most_chunks: int) -> Iterator[Tuple[int, int, int, Tuple[int, ...]]]:
+        """(start, chunks, rows, shape) blocks for requests of these sizes (a row's length
+        first, then any other padded dimension), sorted longest first. Consecutive rows make
+        batches (see batch_shapes); batches of one shape go most_chunks at a time into a
+        block, the rest one by one; a short last batch has the next power of two of rows (a
+        multiple of the data-parallel size). So no batch is all padding, little of a row is,
+        and there are only a few shapes (so few compilations) whatever the lengths."""
+        batches = self.batch_shapes(sizes, cap)
+        for (rows, shape), group in itertools.groupby(batches, key=lambda b: b[1:]):
             group = list(group)
             if rows < self.batch_size:
                 rows = min(self.batch_size, -(-(1 << (rows - 1).bit_length()) // self.dp) * self.dp)
             while group:
-                chunks = self.chunks if len(group) >= self.chunks else 1
-                yield group[0][0], chunks, rows, length
+                chunks = most_chunks if len(group) >= most_chunks else 1
+                yield group[0][0], chunks, rows, shape
                 group = group[chunks:]
 
-    def in_blocks(self, requests: Iterable[Any], length_of: Callable[[Any], int], cap: int,
-                  run_block: Callable[[List[Any], int, int, int], List[Any]]) -> Iterator[Tuple[Any, Any]]:
-        """(request, result) in request order; run_block(requests, chunks, rows, length) runs
-        one block. A window of SORT_WINDOW blocks' requests is sorted by length at a time,
-        so memory does not grow with the dataset."""
-        requests = iter(requests)
-        while window := list(itertools.islice(requests, self.batch_size * self.chunks * SORT_WINDOW)):
-            order = sorted(range(len(window)), key=lambda i: -length_of(window[i]))
+    def batch_shapes(self, sizes: List[Tuple[int, ...]], cap: int) -> List[Tuple[int, int, Tuple[int, ...]]]:
+        """(start, rows, shape) of each batch: its longest row's padded_length, and in any
+        other dimension (scored slots) the next power of two, at most that length (a slot
+        unembedded for nothing costs a fraction of a token's pass). A batch that would be
+        alone in its shape takes the shape of the batch before it when that is at most a
+        quarter longer: tracing and compiling a 30-layer model takes 2-3 s on a CPU, as long
+        as computing some 2,000 tokens, so for a small dataset a little padding is cheaper.
+        (In a large one, neighbours in sorted order share shapes and nothing is merged.)"""
+        batches = []
+        for start in range(0, len(sizes), self.batch_size):
+            batch = sizes[start:start + self.batch_size]
+            length = padded_length(max(size[0] for size in batch), cap)
+            others = tuple(min(length, 1 << max(max(dims) - 1, 15).bit_length()) for dims in list(zip(*batch))[1:])
+            batches.append((start, len(batch), (length, *others)))
+        alone = collections.Counter(shape for _, _, shape in batches)
+        for i in range(1, len(batches)):
+            (_, _, before), (start, rows, shape) = batches[i - 1], batches[i]
+            if alone[shape] == 1 and all(b >= s for b, s in zip(before, shape)) and 4 * before[0] <= 5 * shape[0]:
+                alone[shape] -= 1
+                batches[i] = (start, rows, before)
+        return batches
+
+    def in_blocks(self, items: Iterable[Any], sizes_of: Callable[[Any], Tuple[int, ...]],
+                  docs_of: Callable[[Any], List[int]], cap: int, run_block: Callable[..., List[Any]],
+                  most_chunks: Optional[int] = None) -> Iterator[Tuple[Any, Any]]:
+        """(item, result) in item order; run_block(items, chunks, rows, *shape) runs one
+        block of at most most_chunks batches (default: chunks). A window of SORT_WINDOW
+        blocks' items is sorted by length at a time, so memory does not grow with the
+        dataset. A document is reported done (self.report) when its last item has run; one
+        that goes on in the next window, when that part has."""
+        items = iter(items)
+        window = list(itertools.islice(items, self.batch_size * self.chunks * SORT_WINDOW))
+        while window:
+            following = list(itertools.islice(items, self.batch_size * self.chunks * SORT_WINDOW))
+            left = collections.Counter(doc for item in window for doc in docs_of(item))
+            if following:
+                left[docs_of(following[0])[0]] += 1  # not done before the next window
+            order = sorted(range(len(window)), key=lambda i: -sizes_of(window[i])[0])
             results: List[Any] = [None] * len(window)
-            for start, chunks, rows, length in self.schedule([length_of(window[i]) for i in order], cap):
+            sizes = [sizes_of(window[i]) for i in order]
+            for start, chunks, rows, shape in self.schedule(sizes, cap, most_chunks or self.chunks):
                 picked = order[start:start + chunks * rows]
-                for i, result in zip(picked, run_block([window[i] for i in picked], chunks, rows, length)):
+                for i, result in zip(picked, run_block([window[i] for i in picked], chunks, rows, *shape)):
                     results[i] = result
-                self.blocks_run.append((sum(length_of(window[i]) for i in picked), chunks, rows, length))
+                real = sum(sizes_of(window[i])[0] for i in picked)
+                self.blocks_run.append((real, chunks, rows, shape[0]))
+                left.subtract(doc for i in picked for doc in docs_of(window[i]))
+                self.advance(sum(left[doc] == 0 for doc in {d for i in picked for d in docs_of(window[i])}), real)
             yield from zip(window, results)
-    def check_memory(self, rows: int, length: int, fused: bool) -> None:
-        """Refuse a batch that cannot fit before building it: its float32 logits and
-        log-probabilities (a piece at a time when scoring, see token_scores), the keys and
-        values of every layer, and, unless attention is `fused` (cuDNN), its float32 scores
-        and probabilities, against the memory available."""
+            window = following
+
+    def advance(self, documents: int, tokens: int) -> None:
+        if self.report is not None:
+            self.report.advance(documents, tokens)
+
+    def check_memory(self, rows: int, length: int, scored: int, fused: bool) -> None:
+        """Refuse a batch that cannot fit before building it: the float32 logits and
+        log-probabilities of its `scored` positions per row (a piece at a time, see
+        token_scores), the keys and values of every layer, and, unless attention is `fused`
+        (cuDNN), its float32 scores and probabilities, against the memory available."""
         m = self.model
-        logits = 2 * min(rows * length * m.vocab_size * 4, LOGITS_BYTES)
+        logits = 2 * min(rows * scored * m.vocab_size * 4, LOGITS_BYTES)
         kv = rows * length * m.n_layers * 2 * m.kv_heads * m.head_width * np.dtype(m.pdtype).itemsize
         scores = 0 if fused else 2 * rows * m.n_head * length * length * 4
         needed, free = logits + kv + scores, gpt.available_memory()
@@ -276,22 +555,32 @@ class InferenceJob:
 
     # --- the jitted kernels
 
-    def hidden(self, variables: Any, tokens_BT: jax.Array) -> jax.Array:
-        """Final hidden states [B, T, D] of right-padded rows, each starting at position 0;
-        no padding mask, so attention takes the fused causal path (gpt.attend_causal)."""
-        embed_and_decode = lambda m, idx: m.decode(m.embed(idx, True), None, True)
-        return self.model.apply(variables, tokens_BT, method=embed_and_decode)
+    def hidden(self, variables: Any, tokens_BT: jax.Array, layout: Optional[Tuple[jax.Array, jax.Array]]) -> jax.Array:
+        """Final hidden states [B, T, D] of right-padded rows. layout None: each row one
+        sequence from position 0, with no padding mask, so attention takes the fused causal
+        path (gpt.attend_causal). layout (positions_BT, branches_BT, leaves_BT): packed rows,
+        attention as packed_allowed says."""
+        if layout is None:
+            causal = lambda m, idx: m.decode(m.embed(idx, True), None, True)
+            return self.model.apply(variables, tokens_BT, method=causal)
+        positions_BT, branches_BT, leaves_BT = layout
 
-    def token_scores(self, variables: Any, x_BTD: jax.Array, targets_BT: jax.Array) -> Tuple[jax.Array, jax.Array]:
-        """(log-probability of each target [B, T], whether it is the argmax [B, T]),
-        unembedding a few positions at a time so the float32 logits [B, T, V] never exist
-        whole (a 151,936-token vocabulary at 16 x 1024 would be 10 GB)."""
-        B, T, D = x_BTD.shape
-        P = T  # positions per piece: halved while the piece's logits exceed LOGITS_BYTES
+        def embed_and_decode(m, idx, pos, allowed):
+            return m.decode(m.embed(idx, True, positions=pos), None, True, positions=pos, allowed=allowed)
+
+        return self.model.apply(variables, tokens_BT, positions_BT, packed_allowed(branches_BT, leaves_BT),
+                                method=embed_and_decode)
+
+    def token_scores(self, variables: Any, x_BSD: jax.Array, targets_BS: jax.Array) -> Tuple[jax.Array, jax.Array]:
+        """(log-probability of each target [B, S], whether it is the argmax [B, S]) given the
+        hidden states that predict them, unembedding a few at a time so the float32 logits
+        [B, S, V] never exist whole (a 151,936-token vocabulary at 16 x 1024 would be 10 GB)."""
+        B, S, D = x_BSD.shape
+        P = S  # positions per piece: halved while the piece's logits exceed LOGITS_BYTES
         while 4 * B * P * self.model.vocab_size > LOGITS_BYTES and P % 2 == 0:
             P //= 2
-        x_NBPD = x_BTD.reshape(B, T // P, P, D).transpose(1, 0, 2, 3)
-        targets_NBP = targets_BT.reshape(B, T // P, P).transpose(1, 0, 2)
+        x_NBPD = x_BSD.reshape(B, S // P, P, D).transpose(1, 0, 2, 3)
+        targets_NBP = targets_BS.reshape(B, S // P, P).transpose(1, 0, 2)
 
         def piece(args):
             x_BPD, t_BP = args
@@ -299,66 +588,95 @@ class InferenceJob:
             return -gpt.token_nll(logits_BPV, t_BP), is_argmax(logits_BPV, t_BP)
 
         logprob_NBP, correct_NBP = jax.lax.map(piece, (x_NBPD, targets_NBP))
-        return logprob_NBP.transpose(1, 0, 2).reshape(B, T), correct_NBP.transpose(1, 0, 2).reshape(B, T)
+        return logprob_NBP.transpose(1, 0, 2).reshape(B, S), correct_NBP.transpose(1, 0, 2).reshape(B, S)
 
-    def _score_block(self, variables, tokens_CBT, targets_CBT, weights_CBT):
-        """Per row of a [chunks, batch, length] block: summed log-probability of the weighted
-        targets, how many of them are the argmax, and how many there are. One lax.scan over
-        the chunks, so only one chunk's activations exist at a time."""
+    def _score_block(self, variables, tokens_CBT, layout_CBT, where_CBS, targets_CBS):
+        """Per scored slot of a [chunks, batch, length] block: the log-probability of its
+        target and whether it is the argmax, read from the hidden state at `where` (the
+        token that predicts it). Only those S slots are unembedded: in multiple choice the
+        context's positions predict nothing anyone asked for. One lax.scan over the chunks,
+        so only one chunk's activations exist at a time."""
         def one_chunk(_, chunk):
-            tokens_BT, targets_BT, weights_BT = chunk
-            logprob_BT, correct_BT = self.token_scores(variables, self.hidden(variables, tokens_BT), targets_BT)
-            logprob_BT = jnp.where(weights_BT, logprob_BT, 0.0)
-            return None, (logprob_BT.sum(-1), (correct_BT & weights_BT).sum(-1), weights_BT.sum(-1))
+            tokens_BT, layout, where_BS, targets_BS = chunk
+            x_BTD = self.hidden(variables, tokens_BT, layout)
+            x_BSD = jnp.take_along_axis(x_BTD, where_BS[..., None], axis=1)
+            return None, self.token_scores(variables, x_BSD, targets_BS)
 
-        return jax.lax.scan(one_chunk, None, (tokens_CBT, targets_CBT, weights_CBT))[1]
+        return jax.lax.scan(one_chunk, None, (tokens_CBT, layout_CBT, where_CBS, targets_CBS))[1]
 
-    def _generator(self, n_new: int, temperature: float, top_p: float) -> Callable:
-        """A jitted rollout of a block [chunks, batch, prompt_len], one per decoding setting."""
+    def _generator(self, n_new: int, temperature: float, top_p: float) -> Tuple[Callable, Callable]:
+        """(start, advance), jitted once per decoding setting: start prefills a batch
+        [batch, prompt_len] (gpt.start_rollout); advance marks the rows the host found done
+        and decodes up to SEGMENT_STEPS more tokens (gpt.continue_rollout), its rollout
+        donated so the cache is updated in place, and returns the tokens so far, replicated."""
         key = (n_new, temperature, top_p)
         if key not in self._generators:
             eos = self.tokenizer.eos_token_id
+            keys = lambda ids_B, seed: jax.vmap(lambda i: jax.random.fold_in(jax.random.key(seed), i))(ids_B)
 
-            def run(variables, prompts_CBP, mask_CBP, sample_ids_CB, seed):
-                def one_chunk(_, chunk):
-                    prompts_BP, mask_BP, ids_B = chunk
-                    keys_B = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(seed), i))(ids_B)
-                    new_BN = gpt.generate(self.model, variables, prompts_BP, mask_BP, n_new, eos,
-                                          temperature, top_p, keys_B)
-                    return None, new_BN
+            def start(variables, prompts_BP, mask_BP, ids_B, seed):
+                return gpt.start_rollout(self.model, variables, prompts_BP, mask_BP, n_new, eos, temperature, top_p,
+                                         keys(ids_B, seed))
 
-                return jax.lax.scan(one_chunk, None, (prompts_CBP, mask_CBP, sample_ids_CB))[1]
+            def advance(variables, rollout, stopped_B, ids_B, seed):
+                rollout = rollout._replace(done_B=rollout.done_B | stopped_B)
+                rollout = gpt.continue_rollout(self.model, variables, rollout, SEGMENT_STEPS, eos, temperature,
+                                               top_p, keys(ids_B, seed))
+                return rollout, rollout.out_BN, rollout.step
 
-            self._generators[key] = jax.jit(run, out_shardings=self.replicated)
+            self._generators[key] = (jax.jit(start), jax.jit(advance, donate_argnums=1,
+                                                             out_shardings=(None, self.replicated, self.replicated)))
         return self._generators[key]
 
     # --- the three request types
 
     def loglikelihood(self, requests: Iterable[Request], keep_rows: bool = False) -> Iterator[Tuple[Request, Scored]]:
-        """(request, its Scored) for each request, in order. The input is the last max_len + 1
-        tokens of context + continuation, minus the last one; the continuation is scored."""
-        def inputs(r: Request) -> List[int]:
-            if len(r.continuation) > self.max_len:
-                raise RequestError(f"a continuation of {len(r.continuation)} tokens does not fit "
-                                 f"the context of {self.max_len}")
-            return (r.context + r.continuation)[-(self.max_len + 1):]
+        """(request, its Scored) for each request, in order. A request alone runs the last
+        max_len + 1 tokens of context + continuation, minus the last one, and its continuation
+        is scored; consecutive requests that see the same context share a row (pack_requests)."""
+        def checked(requests: Iterable[Request]) -> Iterator[Request]:
+            for r in requests:
+                if len(r.continuation) > self.max_len:
+                    raise RequestError(f"a continuation of {len(r.continuation)} tokens does not fit "
+                                       f"the context of {self.max_len}")
+                yield r
 
-        def run_block(block: List[Request], chunks: int, rows: int, length: int) -> List[Scored]:
-            wholes, n = [inputs(r) for r in block], chunks * rows
-            self.check_memory(rows, length, fused=gpt.uses_cudnn(self.model.adtype))
-            tokens, mask = self.pad([w[:-1] for w in wholes], length, n, left=False)
-            targets, _ = self.pad([w[1:] for w in wholes], length, n, left=False)
-            weights = np.zeros((n, length), bool)
-            for i, (w, r) in enumerate(zip(wholes, block)):
-                weights[i, len(w) - 1 - len(r.continuation):len(w) - 1] = True
-            shape = (chunks, rows, length)
-            out = self._score(self.variables, *(self.put(a.reshape(shape)) for a in (tokens, targets, weights)))
-            logprob, correct, count = (np.asarray(o).reshape(-1) for o in out)
-            return [Scored(float(logprob[i]), int(count[i]), int(correct[i]),
-                           (tokens[i], mask[i]) if keep_rows else None) for i in range(len(block))]
+        packs = pack_requests(checked(requests), self.max_len, self.share_contexts)
+        results = self.in_blocks(packs, lambda p: (len(p.tokens), len(p.scored)),
+                                 lambda p: [r.doc for r in p.requests], self.max_len,
+                                 lambda *block: self.score_packs(*block, keep_rows=keep_rows))
+        for pack, scored in results:
+            yield from zip(pack.requests, scored)
 
-        return self.in_blocks(requests, lambda r: min(len(r.context) + len(r.continuation) - 1, self.max_len),
-                              self.max_len, run_block)
+    def score_packs(self, packs: List[Pack], chunks: int, rows: int, length: int, width: int,
+                    keep_rows: bool) -> List[List[Scored]]:
+        """One block of packs [chunks, rows, length], `width` scored slots per row: each
+        pack's requests' Scored. A block with nothing packed runs plain causal rows."""
+        n, packed = chunks * rows, any(len(p.requests) > 1 for p in packs)
+        # cuDNN's fused attention (no [T, S] scores in memory) runs only unpacked rows without a soft-cap
+        fused = gpt.uses_cudnn(self.model.adtype) and self.model.attn_softcap is None and not packed
+        self.check_memory(rows, length, width, fused=fused)
+        tokens, mask = self.pad([p.tokens for p in packs], length, n, left=False)
+        where, targets, owner = scored_slots(packs, n, width)
+        layout = self.packed_layout(packs, chunks, rows, length) if packed else None
+        out = self._score(self.variables, self.put(tokens.reshape(chunks, rows, length)), layout,
+                          *(self.put(a.reshape(chunks, rows, width)) for a in (where, targets)))
+        logprob, correct = (np.asarray(o).reshape(n, width) for o in out)
+        real, total = owner >= 0, sum(len(p.requests) for p in packs)  # per request, summed in float64
+        logprobs, corrects, counts = (np.bincount(owner[real], weights=w, minlength=total)
+                                      for w in (logprob[real], correct[real], None))
+        scored = iter([Scored(float(lp), int(k), int(c)) for lp, c, k in zip(logprobs, corrects, counts)])
+        return [[dataclasses.replace(next(scored), row=(tokens[i], mask[i]) if keep_rows else None)
+                 for _ in p.requests] for i, p in enumerate(packs)]
+
+    def packed_layout(self, packs: List[Pack], chunks: int, rows: int, length: int) -> Tuple[jax.Array, ...]:
+        """(positions, branches, leaves) of a block's packed rows [chunks, rows, length] on
+        the mesh; padding is branch -1."""
+        n = chunks * rows
+        positions, _ = self.pad([p.positions for p in packs], length, n, left=False)
+        branches = self.pad([[b + 1 for b in p.branches] for p in packs], length, n, left=False)[0] - 1
+        leaves, _ = self.pad([p.leaves for p in packs], length, n, left=False)
+        return tuple(self.put(a.reshape(chunks, rows, length)) for a in (positions, branches, leaves))
 
     def loglikelihood_rolling(self, documents: Iterable[List[int]], keep_rows: bool = False) -> Iterator[List[Scored]]:
         """Every token of each document (token ids) scored once in rolling windows, after
@@ -372,37 +690,74 @@ class InferenceJob:
     def generate_until(self, requests: Iterable[GenerationRequest], n_new: int, temperature: float = 0.0,
                        top_p: float = 1.0, seed: Optional[int] = None,
                        keep_rows: bool = False) -> Iterator[Tuple[GenerationRequest, Generation]]:
-        """Up to n_new tokens after each prompt (greedy, or sampled with temperature/top_p):
-        (request, its Generation) in order. Sampling keys depend on the document index only,
-        so the same seed gives the same text at any batch size, mesh or order."""
+        """Up to n_new tokens after each prompt (greedy, or sampled with temperature/top_p),
+        until EOS or one of its `until` strings: (request, its Generation) in order. Sampling
+        keys depend on the document index only, so the same seed gives the same text at any
+        batch size, mesh or order."""
         room = self.max_len - n_new
         if room < 1:
             raise RequestError(f"--max-new-tokens {n_new} leaves no room in the context of {self.max_len}")
-        eos, run = self.tokenizer.eos_token_id, self._generator(n_new, temperature, top_p)
         seed = self.seed if seed is None else seed
 
         def run_block(block: List[GenerationRequest], chunks: int, rows: int, length: int) -> List[Generation]:
-            prompts, n = [r.prompt[-room:] for r in block], chunks * rows
-            self.check_memory(rows, length + n_new, fused=False)  # the cache is read with attend's einsums
-            tokens, mask = self.pad(prompts, length, n, left=True)
-            ids = np.zeros(n, np.int32)
-            ids[:len(block)] = [r.doc for r in block]
-            shape = (chunks, rows, length)
-            new = np.asarray(run(self.variables, self.put(tokens.reshape(shape)), self.put(mask.reshape(shape)),
-                                 self.put(ids.reshape(chunks, rows)), seed)).reshape(n, n_new)
-            out = []
-            for i, r in enumerate(block):
-                ids_i = new[i].tolist()
-                ids_i = ids_i[:ids_i.index(eos)] if eos is not None and eos in ids_i else ids_i
-                out.append(Generation(cut_at_stop(self.tokenizer.decode(ids_i), r.until), ids_i,
-                                      len(r.prompt) > room, (tokens[i], mask[i]) if keep_rows else None))
-            return out
+            self.check_memory(rows, length + n_new, 1, fused=False)  # the cache is read with attend's einsums
+            return self.generate_batch(block, rows, length, room, n_new, (temperature, top_p, seed), keep_rows)
 
-        return self.in_blocks(requests, lambda r: min(len(r.prompt), room), room, run_block)
+        # a block is one batch: each batch keeps its cache on the device across its segments
+        return self.in_blocks(requests, lambda r: (min(len(r.prompt), room),), lambda r: [r.doc], room, run_block,
+                              most_chunks=1)
 
-    def progress(self, items: Iterator[Any], name: str, total: int) -> Iterator[Any]:
-        """A tqdm bar on stderr (samples done, samples/s); off with --quiet or no terminal."""
-        quiet = self.quiet or not sys.stderr.isatty() or jax.process_index() != 0
-        return tqdm(items, desc=name, total=total, unit="sample", disable=quiet, leave=False)
+    def generate_batch(self, batch: List[GenerationRequest], rows: int, length: int, room: int, n_new: int,
+                       sampling: Tuple[float, float, int], keep_rows: bool) -> List[Generation]:
+        """One batch of prompts [rows, length] decoded until every row is done (EOS, a stop
+        string, n_new tokens): the prefill, then segments, the host checking between them."""
+        temperature, top_p, seed = sampling
+        start, advance = self._generator(n_new, temperature, top_p)
+        tokens, mask = self.pad([r.prompt[-room:] for r in batch], length, rows, left=True)
+        ids = np.zeros(rows, np.int32)
+        ids[:len(batch)] = [r.doc for r in batch]
+        ids_B = self.put(ids, batch_axis=0)
+        rollout = start(self.variables, self.put(tokens, 0), self.put(mask, 0), ids_B, seed)
+        new_BN, ends, steps = self.decode_segments(advance, rollout, batch, rows, ids_B, seed, n_new)
+        self.rollouts_run.append((rows, steps, max(e or n_new for e in ends)))
+        return [self.generation(r, new_BN[i].tolist(), ends[i], len(r.prompt) > room,
+                                (tokens[i], mask[i]) if keep_rows else None) for i, r in enumerate(batch)]
 
+    def decode_segments(self, advance: Callable, rollout: Any, batch: List[GenerationRequest], rows: int,
+                        ids_B: jax.Array, seed: int, n_new: int) -> Tuple[np.ndarray, List[Optional[int]], int]:
+        """Segments of SEGMENT_STEPS tokens until every row is done: the new tokens [rows,
+        n_new], each row's end (None: it ran to n_new) and the steps run."""
+        new_BN, ends = np.zeros((rows, n_new), np.int32), [None] * len(batch)
+        stopped, step, eos = np.arange(rows) >= len(batch), 0, self.tokenizer.eos_token_id
+        while not stopped.all() and step < n_new:
+            live = int((~stopped).sum())
+            rollout, new_BN, new_step = advance(self.variables, rollout, self.put(stopped, 0), ids_B, seed)
+            new_BN, first, step = np.asarray(new_BN), step + 1, int(new_step)
+            for i, r in enumerate(batch):
+                if ends[i] is None:
+                    ends[i] = steps_to_end(new_BN[i, :step].tolist(), eos, r.until, self.tokenizer.decode, first)
+                    stopped[i] = ends[i] is not None
+            self.advance(0, live * (step - first + 1))  # the new tokens, for tokens/s
+        return new_BN, ends, step
 
+    def generation(self, r: GenerationRequest, new: List[int], end: Optional[int], truncated: bool,
+                   row: Any) -> Generation:
+        """A row's Generation from its new tokens and where it ended (EOS itself is dropped)."""
+        eos = self.tokenizer.eos_token_id
+        ids = new[:end] if end is not None else new
+        ids = ids[:-1] if ids and eos is not None and ids[-1] == eos else ids
+        return Generation(cut_at_stop(self.tokenizer.decode(ids), r.until), ids, truncated, row)
+
+    def progress(self, items: Iterable[Any], name: str, total: int, unit: str = "samples") -> Iterator[Any]:
+        """The items, reported on stderr as they are computed (see Progress); off with
+        quiet and on every process but the first."""
+        if self.quiet or jax.process_index() != 0:
+            yield from items
+            return
+        self.report, finished = Progress(name, total, unit), False
+        try:
+            yield from items
+            finished = True
+        finally:
+            self.report.close(finished)
+            self.report = None

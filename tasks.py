@@ -155,7 +155,8 @@ class JaxLM(TemplateLM):
         is_greedy: every continuation token is the argmax prediction."""
         batch = (Request(i, list(context), list(checked_continuation(texts, continuation)))
                  for i, (texts, context, continuation) in enumerate(requests))
-        scored = self.inference.progress(self.inference.loglikelihood(batch), "loglikelihood", len(requests))
+        scored = self.inference.progress(self.inference.loglikelihood(batch), "loglikelihood", len(requests),
+                                         "requests")
         return [(finite(s.logprob), s.correct == s.tokens) for _, s in scored]
 
     def loglikelihood_rolling(self, requests: List[Any], disable_tqdm: bool = False) -> List[float]:
@@ -164,23 +165,24 @@ class JaxLM(TemplateLM):
         p(BOS | BOS) as the first token (its issue #3333); we add the prefix once."""
         documents = (self.encoding.encode(request.args[0], add_special_tokens=False) for request in requests)
         windows = self.inference.progress(self.inference.loglikelihood_rolling(documents), "loglikelihood_rolling",
-                                          len(requests))
+                                          len(requests), "requests")
         return [finite(sum(s.logprob for s in document)) for document in windows]
 
     def generate_until(self, requests: List[Any], disable_tqdm: bool = False) -> List[str]:
         """Each request's continuation, cut at the first of its `until` strings (the EOS text
-        among them); decoding stops at EOS inside the jitted loop. Requests run in groups of
-        one decoding setting, each group one rollout; prompts are cut from the left to
-        max_length - max_gen_toks tokens, as lm-eval's HF model cuts them. Sampling keys come
-        from the seed and each request's position, so they do not depend on batch or mesh."""
+        among them); a batch stops decoding once each of its rows has produced EOS or one of
+        its stop strings, as lm-eval's HF model stops. Requests run in groups of one decoding
+        setting, each group one rollout; prompts are cut from the left to max_length -
+        max_gen_toks tokens, as lm-eval's HF model cuts them. Sampling keys come from the
+        seed and each request's position, so they do not depend on batch or mesh."""
         settings = [self.decoding(gen_kwargs) for _, gen_kwargs in (request.args for request in requests)]
         texts = [""] * len(requests)
         for setting in sorted({s[:3] for s in settings}):  # (max_gen_toks, temperature, top_p)
             indices = [i for i, s in enumerate(settings) if s[:3] == setting]
-            group = (GenerationRequest(i, self.tok_encode(requests[i].args[0]) or [self.prefix_token_id], ())
-                     for i in indices)
+            group = (GenerationRequest(i, self.tok_encode(requests[i].args[0]) or [self.prefix_token_id],
+                                       tuple(settings[i].until)) for i in indices)
             outputs = self.inference.generate_until(group, *setting, seed=self.seed)
-            for request, generation in self.inference.progress(outputs, "generate_until", len(indices)):
+            for request, generation in self.inference.progress(outputs, "generate_until", len(indices), "requests"):
                 texts[request.doc] = postprocess_generated_text(generation.text, settings[request.doc].until, None)
         return texts
 

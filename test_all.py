@@ -681,8 +681,10 @@ def test_scores_do_not_depend_on_batch_size_or_mesh(small):
 
 
 def test_ragged_documents_waste_little_on_padding():
-    """Documents of mixed lengths go into blocks of similar lengths: at most 10% of the
-    scored slots are padding, and there are a handful of block shapes (so of compilations)."""
+    """Documents of mixed lengths go into blocks of similar lengths: at most 15% of the
+    scored slots are padding, and there are a handful of block shapes (so of compilations:
+    in a set this small, a batch alone in its shape takes the one before it, at most a
+    quarter longer)."""
     model = gpt.GPT(n_layers=1, n_embd=32, n_head=2, block_size=512, vocab_size=320)
     host = jax.device_get(gpt.init_params(model, mesh_of(), seed=0))
     rng = np.random.default_rng(0)
@@ -693,9 +695,151 @@ def test_ragged_documents_waste_little_on_padding():
     slots = sum(c * b * t for _, c, b, t in ev.blocks_run)
     shapes = {(c, b, t) for _, c, b, t in ev.blocks_run}
     print(f"ragged: {real / slots:.3f} of {slots} slots real, {len(ev.blocks_run)} blocks, {len(shapes)} shapes")
-    assert real == sum(len(d["text"]) for d in docs) and real / slots >= 0.9
-    assert len(shapes) <= 10 and all(b == 8 for _, _, b, _ in ev.blocks_run)  # 64 = 8 full batches
+    assert real == sum(len(d["text"]) for d in docs) and real / slots >= 0.85
+    assert len(shapes) <= 5 and all(b == 8 for _, _, b, _ in ev.blocks_run)  # 64 = 8 full batches
     assert result.metrics["tokens"] == real
+
+
+
+SHARED = [  # contexts shared by one-token choices, by multi-token ones, cut from the left, filling a row
+    {"context": "Q: 2+2=? A) 3 B) 4 C) 5 D) 6\nAnswer:", "choices": ["A", "B", "C", "D"], "gold": 1},
+    {"context": "the cats", "choices": [" see the dog.", " sees the dog.", " seen", "!"], "gold": 0},
+    {"context": "x" * 70, "choices": ["a", "b", " a long ending"], "gold": 2},  # block_size 64
+    {"context": "0123456789" * 3, "choices": [" the first long one!", " the second long one", "."], "gold": 2},
+    {"context": "Shots: 1+1=2, 2+2=4, 3+3=6. Q: 4+4=", "choices": ["8", "9"], "gold": 0},  # a shared prefix
+    {"context": "Shots: 1+1=2, 2+2=4, 3+3=6. Q: 5+5=", "choices": ["10", "11"], "gold": 0},
+]
+
+
+def shared_requests(small):
+    """SHARED's requests, and among the second context's choices the model's own greedy
+    continuation (so that is_greedy is True somewhere)."""
+    tokenizer = jobs.ByteTokenizer()
+    requests = [inference.Request(i, *evaluate.encode_pair(tokenizer, s["context"], choice))
+                for i, s in enumerate(SHARED) for choice in s["choices"]]
+    context = requests[4].context
+    return requests[:8] + [inference.Request(1, context, greedy_by_recompute(*small, context, 3))] + requests[8:]
+
+
+def scored(small, share, mesh=(1, 1), batch=4):
+    """Each SHARED request's Scored, and the blocks run, with contexts shared or not."""
+    ev = evaluator(small, [], mesh=mesh, batch_size=batch)
+    ev.share_contexts = share
+    return [s for _, s in ev.loglikelihood(shared_requests(small))], ev.blocks_run
+
+
+def test_shared_contexts_score_as_alone_with_less_work(small):
+    """Requests that see the same context share one row: each log-likelihood and is_greedy
+    as when scored alone, on any batch size and mesh, for fewer tokens computed. One-token
+    choices add nothing to the context's row; a choice cut from the left sees another
+    context; contexts that begin alike share their prefix; a row holds at most block_size
+    tokens."""
+    packs = list(inference.pack_requests(shared_requests(small), SMALL["block_size"], True))
+    assert [len(p.requests) for p in packs] == [4, 5, 2, 1, 1, 2, 4]
+    assert packs[0].tokens == list(SHARED[0]["context"].encode()) and len(packs[0].scored) == 4
+    prefix = len("Shots: 1+1=2, 2+2=4, 3+3=6. Q: ")
+    assert packs[-1].branches == [0] * prefix + [1] * 4 + [2] * 6 and packs[-1].leaves[-6:] == [0] * 4 + [1, 2]
+    alone, blocks_alone = scored(small, False)
+    assert 0 < sum(s.correct for s in alone) < sum(s.tokens for s in alone)  # is_greedy means something
+    for mesh, batch in [((1, 1), 3), ((4, 2), 8)]:
+        shared, blocks_shared = scored(small, True, mesh, batch)
+        np.testing.assert_allclose([s.logprob for s in shared], [s.logprob for s in alone], rtol=1e-5)
+        assert [(s.tokens, s.correct) for s in shared] == [(s.tokens, s.correct) for s in alone]
+        real = [sum(b[0] for b in blocks) for blocks in (blocks_alone, blocks_shared)]
+        print(f"mesh {mesh}, batch {batch}: {real[0]} tokens computed alone, {real[1]} shared")
+        assert real[1] < 0.6 * real[0]
+    windowed = gpt.GPT(**{**SMALL, "rope": True}, sliding_window=8)  # in a packed row the window counts positions
+    host = jax.device_get(jax.tree.map(lambda x: x * 5.0, gpt.init_params(windowed, mesh_of(), seed=3)))
+    alone, shared = (scored((windowed, host), share)[0] for share in (False, True))
+    np.testing.assert_allclose([s.logprob for s in shared], [s.logprob for s in alone], rtol=1e-5)
+
+
+def test_shared_contexts_on_two_processes(small, tiny_ckpt, tmp_path):
+    """The command line as two processes (a 2x2 mesh over both) scores every choice as this
+    process does with each alone."""
+    data, port = write_jsonl(tmp_path / "choices.jsonl", SHARED), free_port()
+    args = ["--ckpt", tiny_ckpt, "--data", f"mc:{data}", "--mesh", "2x2", "--batch-size", "2", "--log-samples",
+            "--out", tmp_path / "out", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--quiet"]
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "evaluate.py"), *map(str, args), "--process-id", str(i)],
+                              env=child_env(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    errs = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errs[0][-2000:] + errs[1][-2000:]
+    samples = [json.loads(line) for line in (tmp_path / "out" / "samples.jsonl").read_text().splitlines()]
+    alone = scored(small, False)[0]
+    alone = alone[:8] + alone[9:]  # the greedy choice is not in the file
+    np.testing.assert_allclose(sum((s["loglik"] for s in samples), []), [s.logprob for s in alone], rtol=1e-5)
+
+
+def test_progress_lines_when_stderr_is_not_a_terminal(small, capsys, monkeypatch):
+    """A line every PROGRESS_SECONDS (here 0: after every block), documents done growing to
+    the total, for our evaluations and lm-eval's requests; none with quiet, none on a
+    process other than the first, none for a call quicker than PROGRESS_SECONDS."""
+    docs = [{"text": "the cat sees the dog. " * k} for k in range(1, 9)]  # 1 to 3 rolling windows each
+    ev = evaluator(small, [], batch_size=2, chunks=1)
+    ev.quiet = False
+    monkeypatch.setattr(inference, "PROGRESS_SECONDS", 1e9)
+    evaluate.PerplexityEvaluation("prose", docs).result(ev, ev.tokenizer)
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(inference, "PROGRESS_SECONDS", 0.0)
+    evaluate.PerplexityEvaluation("prose", docs).result(ev, ev.tokenizer)
+    lines = capsys.readouterr().err.splitlines()
+    done = [int(re.fullmatch(r"prose: (\d+)/8 samples, [\d,]+ tokens/s, \d+ s", line).group(1)) for line in lines]
+    assert len(set(done)) > 2 and done == sorted(done) and done[-1] == 8, lines
+    lm = tasks.JaxLM(ev)
+    lm.generate_until([types.SimpleNamespace(args=(g["prompt"], {"until": ["\n"], "max_gen_toks": 6})) for g in GEN])
+    assert capsys.readouterr().err.splitlines()[-1].startswith(f"generate_until: {len(GEN)}/{len(GEN)} requests, ")
+    for quiet, process in [(True, 0), (False, 1)]:
+        ev.quiet = quiet
+        monkeypatch.setattr(jax, "process_index", lambda: process)
+        evaluate.PerplexityEvaluation("prose", docs).result(ev, ev.tokenizer)
+        assert capsys.readouterr().err == ""
+
+
+class Triples:
+    """Each token reads as three characters (a letter, a capital, a digit): a capital as a
+    stop string arrives in the middle of a token."""
+
+    bos_token_id = eos_token_id = 256
+    vocab_size = 320
+
+    def encode(self, text, add_special_tokens=True):
+        return list(text.encode())
+
+    def decode(self, ids):
+        return "".join(chr(97 + i % 26) + chr(65 + i // 26 % 26) + str(i % 10) for i in ids if i != 256)
+
+
+def stop_in(text, tokenizer):
+    """A stop string that occurs early in `text`: two ASCII characters (two byte tokens), or
+    the capital of a Triples token."""
+    if isinstance(tokenizer, Triples):
+        return text[3 * 4 + 1]
+    return next(text[k:k + 2] for k in range(len(text) // 4, len(text) - 1) if text[k:k + 2].isascii())
+
+
+@pytest.mark.parametrize("tokenizer", [jobs.ByteTokenizer(), Triples()], ids=["across tokens", "inside a token"])
+def test_stop_strings_end_decoding_early_with_the_same_texts(small, tokenizer):
+    """Decoding stops once every row of a batch holds a stop string (checked between
+    segments of SEGMENT_STEPS steps): the texts are those of decoding to the end and cut,
+    each row's tokens end with the one that completed its stop, and a batch runs fewer
+    than SEGMENT_STEPS steps past the last of its rows' ends."""
+    model, host = small
+    job = inference.InferenceJob(model, gpt.place_params(model, mesh_of(), host), tokenizer, mesh_of(), batch_size=4,
+                                 quiet=True)
+    prompts, N = [list(p) for p in (b"the cat", b"hello", b"12+3", b"ab", b"x", b"q")], 32  # batches 0-3, 4-5
+    full = [g for _, g in job.generate_until([inference.GenerationRequest(i, p, ()) for i, p in enumerate(prompts)], N)]
+    stops = [stop_in(g.text, tokenizer) for g in full]
+    job.rollouts_run.clear()
+    cut = [g for _, g in job.generate_until([inference.GenerationRequest(i, p, (s,)) for i, (p, s) in
+                                             enumerate(zip(prompts, stops))], N)]
+    ends = [next(k for k in range(1, N + 1) if s in tokenizer.decode(g.tokens[:k])) for g, s in zip(full, stops)]
+    assert [g.text for g in cut] == [inference.cut_at_stop(g.text, [s]) for g, s in zip(full, stops)]
+    assert [g.tokens for g in cut] == [g.tokens[:k] for g, k in zip(full, ends)]
+    needed = [max(ends[:4]), max(ends[4:])]
+    assert [(rows, need) for rows, _, need in job.rollouts_run] == [(4, needed[0]), (2, needed[1])]
+    assert all(0 <= run - need < inference.SEGMENT_STEPS for _, run, need in job.rollouts_run)
+    assert sum(run for _, run, _ in job.rollouts_run) < 2 * N - inference.SEGMENT_STEPS
 
 
 def test_checkpoint_round_trip(small, tmp_path):
@@ -2360,6 +2504,18 @@ def test_bench_limits_mode():
     assert x["param_bytes"] == 2 * x["params"]  # bfloat16
     assert x["scoring"]["flops"] == pytest.approx(4 * model.bind(init(model)).flops(64) / 3)
     assert x["decoding"]["best"] > 0 and x["decoding"]["bound"] > 0 and x["peak"]["flops_per_s"] > 0
+
+
+@needs_lm_eval
+def test_bench_shapes_beside_lm_evals_hf_model(tmp_path):
+    """--shapes, its MMLU-style workload: lm-eval's mmlu template through our command line
+    and through lm-eval's HF model (bench asserts that the log-likelihoods agree), the same
+    answers and scores, for less than half the tokens per request (the 5-shot prompts share
+    their prefix). The other workloads differ only in their tasks' YAML."""
+    r = bench("--shapes", "--workloads", "mmlu", "--vocab", "2000", "--mlp-hidden", "128", "--kv-heads", "2",
+              "--mmlu-questions", "6", "--workdir", tmp_path)["shapes"]["workloads"]["mmlu"]
+    assert r["identical"] == r["compared"] == 48 and r["scores_rel"] < 1e-4 and r["requests"] == 24
+    assert r["our_tokens_per_request"] < 0.5 * r["hf_tokens_per_request"]
 
 
 # ---- reliability: bad input, interruption, the same answer everywhere
