@@ -539,15 +539,16 @@ class InferenceJob:
         if self.report is not None:
             self.report.advance(documents, tokens)
 
-    def check_memory(self, rows: int, length: int, scored: int, fused: bool) -> None:
+    def check_memory(self, rows: int, length: int, scored: int, queries: int) -> None:
         """Refuse a batch that cannot fit before building it: the float32 logits and
         log-probabilities of its `scored` positions per row (a piece at a time, see
-        token_scores), the keys and values of every layer, and, unless attention is `fused`
-        (cuDNN), its float32 scores and probabilities, against the memory available."""
+        token_scores), the keys and values of every layer, and the float32 attention scores
+        and probabilities of `queries` queries per row at once (0: a fused kernel, cuDNN),
+        against the memory available."""
         m = self.model
         logits = 2 * min(rows * scored * m.vocab_size * 4, LOGITS_BYTES)
         kv = rows * length * m.n_layers * 2 * m.kv_heads * m.head_width * np.dtype(m.pdtype).itemsize
-        scores = 0 if fused else 2 * rows * m.n_head * length * length * 4
+        scores = 2 * rows * m.n_head * queries * length * 4
         needed, free = logits + kv + scores, gpt.available_memory()
         if needed > free:
             raise RequestError(f"batch size {self.requested_batch_size}: a batch of {rows} x {length} tokens needs "
@@ -622,10 +623,11 @@ class InferenceJob:
                 rollout = rollout._replace(done_B=rollout.done_B | stopped_B)
                 rollout = gpt.continue_rollout(self.model, variables, rollout, SEGMENT_STEPS, eos, temperature,
                                                top_p, keys(ids_B, seed))
-                return rollout, rollout.out_BN, rollout.step
+                return rollout, rollout.out_BN, rollout.step, rollout.finite_B
 
+            replicated = (self.replicated,) * 3
             self._generators[key] = (jax.jit(start), jax.jit(advance, donate_argnums=1,
-                                                             out_shardings=(None, self.replicated, self.replicated)))
+                                                             out_shardings=(None, *replicated)))
         return self._generators[key]
 
     # --- the three request types
@@ -653,14 +655,16 @@ class InferenceJob:
         """One block of packs [chunks, rows, length], `width` scored slots per row: each
         pack's requests' Scored. A block with nothing packed runs plain causal rows."""
         n, packed = chunks * rows, any(len(p.requests) > 1 for p in packs)
-        # cuDNN's fused attention (no [T, S] scores in memory) runs only unpacked rows without a soft-cap
+        # cuDNN's fused attention (no [T, S] scores in memory) runs only unpacked rows without a
+        # soft-cap; else queries go in blocks of gpt.QUERY_BLOCK (gpt.attend_causal)
         fused = gpt.uses_cudnn(self.model.adtype) and self.model.attn_softcap is None and not packed
-        self.check_memory(rows, length, width, fused=fused)
+        self.check_memory(rows, length, width, 0 if fused else min(length, gpt.QUERY_BLOCK))
         tokens, mask = self.pad([p.tokens for p in packs], length, n, left=False)
         where, targets, owner = scored_slots(packs, n, width)
         layout = self.packed_layout(packs, chunks, rows, length) if packed else None
-        out = self._score(self.variables, self.put(tokens.reshape(chunks, rows, length)), layout,
-                          *(self.put(a.reshape(chunks, rows, width)) for a in (where, targets)))
+        with jax.set_mesh(self.mesh):  # traced under the mesh: gpt.rows_at_a_time reads it
+            out = self._score(self.variables, self.put(tokens.reshape(chunks, rows, length)), layout,
+                              *(self.put(a.reshape(chunks, rows, width)) for a in (where, targets)))
         logprob, correct = (np.asarray(o).reshape(n, width) for o in out)
         real, total = owner >= 0, sum(len(p.requests) for p in packs)  # per request, summed in float64
         logprobs, corrects, counts = (np.bincount(owner[real], weights=w, minlength=total)
@@ -700,7 +704,7 @@ class InferenceJob:
         seed = self.seed if seed is None else seed
 
         def run_block(block: List[GenerationRequest], chunks: int, rows: int, length: int) -> List[Generation]:
-            self.check_memory(rows, length + n_new, 1, fused=False)  # the cache is read with attend's einsums
+            self.check_memory(rows, length + n_new, 1, length)  # the prefill attends over the cache whole
             return self.generate_batch(block, rows, length, room, n_new, (temperature, top_p, seed), keep_rows)
 
         # a block is one batch: each batch keeps its cache on the device across its segments
@@ -731,8 +735,12 @@ class InferenceJob:
         stopped, step, eos = np.arange(rows) >= len(batch), 0, self.tokenizer.eos_token_id
         while not stopped.all() and step < n_new:
             live = int((~stopped).sum())
-            rollout, new_BN, new_step = advance(self.variables, rollout, self.put(stopped, 0), ids_B, seed)
+            rollout, new_BN, new_step, finite_B = advance(self.variables, rollout, self.put(stopped, 0), ids_B, seed)
             new_BN, first, step = np.asarray(new_BN), step + 1, int(new_step)
+            if not np.asarray(finite_B).all():  # the tokens after NaN logits are an argmax over NaN
+                raise RequestError(f"non-finite logits while generating for document "
+                                   f"{batch[int(np.argmin(np.asarray(finite_B)[:len(batch)]))].doc} "
+                                   f"(broken weights, or activations beyond the range of {jnp.dtype(self.model.adtype).name}?)")
             for i, r in enumerate(batch):
                 if ends[i] is None:
                     ends[i] = steps_to_end(new_BN[i, :step].tolist(), eos, r.until, self.tokenizer.decode, first)

@@ -336,27 +336,39 @@ def test_sharded_equals_single_device(sharded_case, batch, shard):
         assert_tensor_parallel(params["params"], shard, tied=model.tie_embeddings)
 
 
-@pytest.mark.parametrize("name,batch,shard", [("everything", 1, 1), ("everything", 4, 2), ("mixture", 4, 2)])
-def test_fused_causal_path_equals_left_padded_masked_path(name, batch, shard, monkeypatch):
-    """Scoring runs right-padded rows with no mask (jax.nn.dot_product_attention, causal);
-    generation and the parity tests run left-padded rows with a mask (attend): the same
-    logits at every real token, on one device and tensor-parallel. Soft-capped scores
-    (mixture) never take the fused path, which cannot cap them: they take attend's."""
-    if CONFIGS[name].get("attn_softcap") is not None:
-        monkeypatch.setattr(gpt, "attend_causal", None)  # calling it would fail
+@pytest.mark.parametrize("name,batch,shard,block", [("everything", 1, 1, None), ("everything", 4, 2, None),
+                                                     ("mixture", 4, 2, None), ("everything", 1, 1, 2),
+                                                     ("everything", 4, 2, 2), ("mixture", 4, 2, 2)])
+def test_fused_causal_path_equals_left_padded_masked_path(name, batch, shard, block, monkeypatch):
+    """Scoring runs right-padded rows with no mask (attend_causal, plain causal);
+    generation and the parity tests run left-padded rows with a mask: the same logits at
+    every real token, on one device and tensor-parallel. With a query block of 2 both take
+    the blocked path (each block only the keys up to its last query, and past the window of
+    3; on the 4x2 mesh a row of each device's share at a time) and still give the logits of
+    the whole-square attention. Soft-capped scores (mixture) never take a fused kernel,
+    which cannot cap them."""
     model = tiny(**CONFIGS[name])
     mesh = gpt.make_mesh(batch, shard, devices=jax.devices()[:batch * shard])
     params = gpt.place_params(model, mesh, init(model))
-    rows = ragged_prompts()
+    rows = ragged_prompts() + ragged_prompts(seed=9)
     left_idx, left_mask = left_pad(rows)
     right_idx = np.zeros_like(left_idx)
     for b, row in enumerate(rows):
         right_idx[b, :len(row)] = row
     put = lambda x: jax.device_put(x, gpt.input_sharding(model, mesh, ("batch", None)))
-    masked = np.asarray(forward(model)(params, put(left_idx), put(left_mask)))
-    fused = np.asarray(jax.jit(lambda p, x: model.apply(p, x, deterministic=True)[0])(params, put(right_idx)))
+    reference = np.asarray(forward(model)(params, put(left_idx), put(left_mask)))
+    if block is not None:
+        monkeypatch.setattr(gpt, "QUERY_BLOCK", block)
+        assert right_idx.shape[1] > 2 * block and len(rows) > batch  # several blocks, and steps over rows
+    if CONFIGS[name].get("attn_softcap") is not None:  # as if on a GPU: a fused kernel would be taken
+        monkeypatch.setattr(gpt, "uses_cudnn", lambda dtype: True)
+        monkeypatch.setattr(jax.nn, "dot_product_attention", None)  # calling it would fail
+    with jax.set_mesh(mesh):
+        masked = np.asarray(forward(model)(params, put(left_idx), put(left_mask)))
+        fused = np.asarray(jax.jit(lambda p, x: model.apply(p, x, deterministic=True)[0])(params, put(right_idx)))
+    assert np.abs(masked - reference).max() <= 1e-5
     for b, row in enumerate(rows):
-        assert np.abs(masked[b, -len(row):] - fused[b, :len(row)]).max() <= 1e-5
+        assert np.abs(reference[b, -len(row):] - fused[b, :len(row)]).max() <= 1e-5
 
 
 def test_fused_attention_falls_back_where_cudnn_is_absent(monkeypatch):
@@ -1056,6 +1068,11 @@ def test_trainer_learns_and_evaluates_through_from_trainer(tmp_path):
     assert set(log[-1]["eval"]) == set(trainer.EVALUATION)
     model, _, config_json = jobs.load_checkpoint(str(tmp_path / "train"), mesh_of())
     assert config_json["step"] == 30 and model == trainer.model
+    assert not (tmp_path / "train" / jobs.LOCK_FILE).exists()
+    held = jobs.DirectoryLock(tmp_path / "train")  # another run writing there: refused before a step
+    with pytest.raises(UsageError, match="another run is writing to"):
+        train.BaseTrainer(spec).run()
+    held.release()
 
 
 def test_gen_stop_strings_per_line_and_from_the_command_line(small, tmp_path):
@@ -3225,7 +3242,8 @@ def test_what_cannot_be_scored_is_refused_at_once(ckpt, hf_gpt2, tmp_path):
       loaded, naming the id and the rows; NaN in the weights as they are read, naming the
       tensor, whatever the kind (gen too);
     - finite weights whose logits overflow, at the first sample of every kind that scores
-      (so samples.jsonl never holds bare NaN); a perplexity beyond float range (it ended in
+      (so samples.jsonl never holds bare NaN), and in generation (an argmax over NaN
+      printed garbage with exit 0); a perplexity beyond float range (it ended in
       OverflowError);
     - a choice the tokenizer joins to its context (an empty continuation scores 0.0 and
       always wins), naming file, line and choice; a blank gen answer (an empty output
@@ -3252,6 +3270,7 @@ def test_what_cannot_be_scored_is_refused_at_once(ckpt, hf_gpt2, tmp_path):
              (overflow, ["--evals", "text"], ["evaluation text: non-finite log-likelihood at sample 0"]),
              (overflow, ["--evals", "repeat"], ["evaluation repeat: non-finite log-likelihood"]),
              (overflow, ["--data", f"mc:{mc}"], [f"non-finite loglik at {mc}:1"]),
+             (overflow, ["--evals", "addition"], ["non-finite logits while generating for document 0"]),
              (huge, ["--evals", "text"], ["evaluation text: non-finite score"]),
              (hf_gpt2, ["--data", f"mc:{glued}"], [f"{glued}:3: choice 1 {joined!r} adds no token to the context"]),
              (hf_gpt2, ["--data", f"gen:{blank}"], [f"{blank}:2: 'answer' is empty or only whitespace"]),

@@ -152,6 +152,18 @@ class BaseTrainer:
         return step
 
     def run(self) -> None:
+        """Train, holding --out (jobs.DirectoryLock) so that no other run writes there meanwhile."""
+        lock = None
+        if self.spec.is_main:
+            Path(self.cfg.out).mkdir(parents=True, exist_ok=True)
+            lock = jobs.DirectoryLock(Path(self.cfg.out))
+        try:
+            self.train()
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def train(self) -> None:
         c = self.cfg
         tx = self.optimizer()
         params = self.variables["params"]
