@@ -244,20 +244,30 @@ def attend(q_BTHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allowed_BTS:
     Keys and values come head-major, [B, K, S, E], the KV cache's own layout: both einsums
     are then batched over (B, K) with S and E where a matmul wants them, so XLA copies
     nothing of the cache at a decoding step (with [B, S, K, E] it transposed every layer's
-    keys at every step: 2.6x slower steps at a 545-slot cache on CPU). Scores and softmax
-    are float32; fully masked rows (left padding) come out finite and are never read by
-    real tokens.
+    keys at every step: 2.6x slower steps at a 545-slot cache on CPU). At a decoding step
+    (one query per row) both products are a multiply and a sum instead, which XLA fuses
+    into one pass over the cache: as matmuls of one row, XLA's CPU dots read the cache at
+    2-3 GB/s (a 117M Llama, 16 rows, 896 slots: 269 -> 125 ms per step). Scores and
+    softmax are float32; fully masked rows (left padding) come out finite and are never
+    read by real tokens.
     """
     B, T, H, E = q_BTHE.shape
     K = k_BKSE.shape[1]
     q_BKGTE = q_BTHE.reshape(B, T, K, H // K, E).transpose(0, 2, 3, 1, 4)
-    scores = jnp.einsum("bkgte,bkse->bkgts", q_BKGTE, k_BKSE, preferred_element_type=jnp.float32)
+    if T == 1:
+        f32 = jnp.float32
+        scores = (q_BKGTE.astype(f32) * k_BKSE[:, :, None].astype(f32)).sum(-1)[:, :, :, None]
+    else:
+        scores = jnp.einsum("bkgte,bkse->bkgts", q_BKGTE, k_BKSE, preferred_element_type=jnp.float32)
     scores = scores / math.sqrt(E) if scale is None else scores * scale
     if softcap is not None:
         scores = softcap * jnp.tanh(scores / softcap)
     scores = jnp.where(allowed_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_BKSE.dtype)
-    return jnp.einsum("bkgts,bkse->btkge", probs, v_BKSE).reshape(B, T, H, E)
+    probs = jax.nn.softmax(scores, axis=-1)
+    if T == 1:
+        y_BKGE = (probs[:, :, :, 0, :, None] * v_BKSE[:, :, None].astype(jnp.float32)).sum(-2)
+        return y_BKGE.astype(v_BKSE.dtype).reshape(B, T, H, E)
+    return jnp.einsum("bkgts,bkse->btkge", probs.astype(v_BKSE.dtype), v_BKSE).reshape(B, T, H, E)
 
 
 @dataclasses.dataclass(frozen=True)
