@@ -714,29 +714,36 @@ def sentences(paragraphs: List[str]) -> List[str]:
 
 
 def mmlu_docs(rng: np.random.Generator, lines: List[str], n: int) -> List[Dict[str, Any]]:
-    """cais/mmlu rows: a sentence with one word blanked out, four words to fill it."""
-    words = sorted({w for line in lines for w in re.findall(r"\b[a-z]{5,}\b", line)})
+    """cais/mmlu rows, about as long as the real ones: two sentences with a run of two to
+    four words blanked out, and four runs of that length to fill it (the true one)."""
     docs = []
-    for line in rng.choice(lines, n, replace=False):
-        word = str(rng.choice(re.findall(r"\b[a-z]{5,}\b", line) or ["which"]))
-        choices = [word] + [str(w) for w in rng.choice(words, 3, replace=False)]
+    for i in rng.choice(len(lines) - 1, n, replace=False):
+        words, span = lines[i + 1].split(" "), int(rng.integers(2, 5))
+        at = int(rng.integers(0, max(len(words) - span, 0) + 1))
+        runs = [" ".join(words[at:at + span])]
+        for j in rng.choice(len(lines), 3, replace=False):
+            other = lines[j].split(" ")
+            runs.append(" ".join(other[:span]))
         answer = int(rng.integers(4))
-        choices[0], choices[answer] = choices[answer], choices[0]
-        docs.append({"question": line.replace(word, "_____", 1) + " Which word fills the blank?",
-                     "subject": "python", "choices": choices, "answer": answer})
+        runs[0], runs[answer] = runs[answer], runs[0]
+        blanked = " ".join(words[:at] + ["_____"] + words[at + span:])
+        docs.append({"question": f"{lines[i]} {blanked} Which words fill the blank?",
+                     "subject": "python", "choices": runs, "answer": answer})
     return docs
 
 
 def hellaswag_docs(rng: np.random.Generator, lines: List[str], n: int) -> List[Dict[str, Any]]:
-    """Rowan/hellaswag rows: a sentence and the first words of the next; four endings, the
-    true rest of that sentence and the rests of three others."""
+    """Rowan/hellaswag rows, about as long as the real ones: two sentences and the first
+    words of the next; four endings, the true rest of that sentence and the rests of three
+    others."""
     docs = []
-    for i in rng.choice(len(lines) - 1, n, replace=False):
-        words, label = lines[i + 1].split(" "), int(rng.integers(4))
+    for i in rng.choice(len(lines) - 2, n, replace=False):
+        words, label = lines[i + 2].split(" "), int(rng.integers(4))
         others = [" ".join(lines[j].split(" ")[3:]) for j in rng.choice(len(lines), 3, replace=False)]
-        docs.append({"ind": int(i), "activity_label": "Python", "ctx_a": lines[i], "ctx_b": " ".join(words[:3]),
-                     "ctx": "", "endings": others[:label] + [" ".join(words[3:])] + others[label:],
-                     "source_id": f"s{i}", "split": "val", "split_type": "indomain", "label": str(label)})
+        docs.append({"ind": int(i), "activity_label": "Python", "ctx_a": f"{lines[i]} {lines[i + 1]}",
+                     "ctx_b": " ".join(words[:3]), "ctx": "", "endings": others[:label] + [" ".join(words[3:])]
+                     + others[label:], "source_id": f"s{i}", "split": "val", "split_type": "indomain",
+                     "label": str(label)})
     return docs
 
 

@@ -1130,8 +1130,11 @@ def input_sharding(model: Module, mesh: Mesh, logical_axes: Tuple[Optional[str],
     return NamedSharding(mesh, nn.logical_to_mesh_axes(logical_axes, model.sharding))
 
 
+@functools.lru_cache(maxsize=4)
 def abstract_params(model: Module, seq: int = 8) -> Any:
-    """Parameter shapes (with logical axis names) without allocating anything."""
+    """Parameter shapes (with logical axis names) without allocating anything. Kept for the
+    last few models (modules hash by their fields): loading a checkpoint asks twice, and
+    tracing a 30-layer init takes about half a second."""
     idx = jnp.zeros((1, seq), jnp.int32)
     return jax.eval_shape(lambda: model.init(jax.random.key(0), idx, deterministic=True))
 
