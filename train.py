@@ -158,7 +158,8 @@ class BaseTrainer:
             Path(self.cfg.out).mkdir(parents=True, exist_ok=True)
             lock = jobs.DirectoryLock(Path(self.cfg.out))
         try:
-            self.train()
+            with jax.set_mesh(self.mesh):  # traced under the mesh, as InferenceJob's kernels (gpt.rows_at_a_time)
+                self.train()
         finally:
             if lock is not None:
                 lock.release()
