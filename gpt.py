@@ -255,8 +255,7 @@ def attend(q_BTHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allowed_BTS:
     K = k_BKSE.shape[1]
     q_BKGTE = q_BTHE.reshape(B, T, K, H // K, E).transpose(0, 2, 3, 1, 4)
     if T == 1:
-        f32 = jnp.float32
-        scores = (q_BKGTE.astype(f32) * k_BKSE[:, :, None].astype(f32)).sum(-1)[:, :, :, None]
+        scores = (q_BKGTE.astype(jnp.float32) * k_BKSE[:, :, None].astype(jnp.float32)).sum(-1)[:, :, :, None]
     else:
         scores = jnp.einsum("bkgte,bkse->bkgts", q_BKGTE, k_BKSE, preferred_element_type=jnp.float32)
     scores = scores / math.sqrt(E) if scale is None else scores * scale
@@ -376,9 +375,10 @@ def attend_blocks(q_BTHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allow
 
 
 def causal_window(q0: int, q1: int, k0: int, k1: int, window: Optional[int]) -> jax.Array:
-    """allowed[t, s] for queries q0 .. q1 and keys k0 .. k1 (slots): s <= t, and s > t - window."""
-    query_T, key_S = jnp.arange(q0, q1)[:, None], jnp.arange(k0, k1)[None]
-    return (key_S <= query_T) & (True if window is None else key_S > query_T - window)
+    """allowed[t, s] for queries q0 .. q1 and keys k0 .. k1 (slots), every key real."""
+    query_T, key_S = jnp.arange(q0, q1), jnp.arange(k0, k1)
+    allowed_1TS = causal_allowed(jnp.ones((1, k1 - k0), bool), query_T, key_S)
+    return allowed_1TS[0] if window is None else allowed_1TS[0] & window_allowed(query_T, key_S, window)
 
 
 class Attention(Module):

@@ -736,11 +736,11 @@ class InferenceJob:
         while not stopped.all() and step < n_new:
             live = int((~stopped).sum())
             rollout, new_BN, new_step, finite_B = advance(self.variables, rollout, self.put(stopped, 0), ids_B, seed)
-            new_BN, first, step = np.asarray(new_BN), step + 1, int(new_step)
-            if not np.asarray(finite_B).all():  # the tokens after NaN logits are an argmax over NaN
-                raise RequestError(f"non-finite logits while generating for document "
-                                   f"{batch[int(np.argmin(np.asarray(finite_B)[:len(batch)]))].doc} "
-                                   f"(broken weights, or activations beyond the range of {jnp.dtype(self.model.adtype).name}?)")
+            new_BN, first, step, finite = np.asarray(new_BN), step + 1, int(new_step), np.asarray(finite_B)
+            if not finite.all():  # the tokens after NaN logits are an argmax over NaN
+                doc, dtype = batch[int(np.argmin(finite))].doc, jnp.dtype(self.model.adtype).name
+                raise RequestError(f"non-finite logits while generating for document {doc} "
+                                   f"(broken weights, or activations beyond {dtype}?)")
             for i, r in enumerate(batch):
                 if ends[i] is None:
                     ends[i] = steps_to_end(new_BN[i, :step].tolist(), eos, r.until, self.tokenizer.decode, first)
