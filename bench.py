@@ -903,12 +903,13 @@ def work_done(theirs: Dict[str, Any], ours: Dict[str, Any], generation: bool) ->
     generation, the decoding steps (new tokens per row, summed over batches), both sides."""
     requests = sum(len(s["resps"]) for s in ours["samples"] if s["filter"] == ours["samples"][0]["filter"])
     hf_slots = sum(b * t for b, t in theirs["shapes"])
-    our_slots = sum(c * r * t for _, c, r, t in ours["blocks"]) + sum(r * run for r, run, _ in ours["rollouts"])
+    our_slots = sum(prefill + r * run for r, run, _, prefill in ours["rollouts"]) if generation else \
+        sum(c * r * t for _, c, r, t in ours["blocks"])
     out = {"requests": requests, "hf_tokens_per_request": hf_slots / requests,
            "our_tokens_per_request": our_slots / requests}
     if generation:  # each of HF's forward calls (prefill included) gives one token per row
-        out.update(hf_steps=len(theirs["shapes"]), our_steps=sum(run for _, run, _ in ours["rollouts"]),
-                   needed_steps=sum(need for _, _, need in ours["rollouts"]))
+        out.update(hf_steps=len(theirs["shapes"]), our_steps=sum(run for _, run, _, _ in ours["rollouts"]),
+                   needed_steps=sum(need for _, _, need, _ in ours["rollouts"]))
     return out
 
 

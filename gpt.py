@@ -1032,12 +1032,26 @@ class Rollout(NamedTuple):
 
 def start_rollout(model: GPT, params: Any, prompt_BP: jax.Array, mask_BP: jax.Array, max_new_tokens: int,
                   eos_id: Optional[int] = None, temperature: float = 0.0, top_p: float = 1.0,
-                  keys_B: Optional[jax.Array] = None) -> Rollout:
+                  keys_B: Optional[jax.Array] = None, prefix_1Q: Optional[jax.Array] = None) -> Rollout:
     """The prefill: one GPT.extend call puts the left-padded prompts (mask_BP True at real
     tokens) into a cache of exactly P + max_new_tokens slots and picks each first token. A
-    row with an empty prompt only pads the batch: it is done from the start."""
+    row with an empty prompt only pads the batch: it is done from the start.
+
+    prefix_1Q: Q first tokens that every prompt begins with (few-shot examples), which
+    prompt_BP then leaves out. They are computed once and every row's cache starts with
+    them (Q + P + max_new_tokens slots), the left padding of the rest after them: positions
+    count real tokens, so every token keeps its position and sees what it sees in the whole
+    prompt. Not with a sliding window, which counts slots."""
     B, P = prompt_BP.shape
-    cache = model.init_cache(B, P + max_new_tokens)
+    if prefix_1Q is None:
+        cache = model.init_cache(B, P + max_new_tokens)
+    else:
+        if model.sliding_window is not None:
+            raise ValueError("a shared prefix puts padding inside prompts, where a sliding window counts slots")
+        Q = prefix_1Q.shape[1]
+        empty = model.init_cache(1, Q + P + max_new_tokens)
+        _, shared = model.apply(params, prefix_1Q, jnp.ones((1, Q), bool), empty, method=GPT.extend)
+        cache = jax.tree.map(lambda x_1: jnp.broadcast_to(x_1, (B, *x_1.shape[1:])) if x_1.ndim else x_1, shared)
     logits_BV, cache = model.apply(params, prompt_BP, mask_BP, cache, method=GPT.extend)
     out_BN = jnp.full((B, max_new_tokens), 0 if eos_id is None else eos_id, jnp.int32)
     first_B = pick_token(logits_BV, 0, keys_B, temperature, top_p)

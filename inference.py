@@ -308,6 +308,9 @@ def scored_slots(packs: List[Pack], rows: int, width: int) -> Tuple[np.ndarray, 
 # cache; a step of few rows costs mostly the reading of the weights, whatever their number.
 
 SEGMENT_STEPS = 8
+# A batch's prompts that begin alike (gsm8k's 5-shot examples: about 400 of a prompt's 480
+# tokens) are prefilled from one row of that beginning (InferenceJob.shared_prefix)
+SHARED_PREFIX_STEP = 64
 
 
 def has_stop(text: str, stops: Sequence[str]) -> bool:
@@ -401,8 +404,8 @@ class InferenceJob:
     every result. Results come back in the order the requests went in.
 
     What ran is counted, for benchmarks and tests: blocks_run (real tokens, chunks, rows,
-    length) per block, prompts' prefill blocks included; rollouts_run (rows, decoding steps
-    run, steps its rows needed) per decoded batch.
+    length) per block, prompts' blocks included; rollouts_run (rows, decoding steps run,
+    steps its rows needed, token slots its prefill computed) per decoded batch.
     """
 
     def __init__(self, model: gpt.GPT, variables: Any, tokenizer: Tokenizer, mesh: jax.sharding.Mesh,
@@ -424,7 +427,7 @@ class InferenceJob:
         self._score = jax.jit(self._score_block, out_shardings=self.replicated)
         self._generators: Dict[Tuple, Tuple[Callable, Callable]] = {}
         self.blocks_run: List[Tuple[int, int, int, int]] = []
-        self.rollouts_run: List[Tuple[int, int, int]] = []
+        self.rollouts_run: List[Tuple[int, int, int, int]] = []
         self.report: Optional[Progress] = None
 
     # --- sizes, padding, placement
@@ -465,6 +468,10 @@ class InferenceJob:
         axes = (None,) * batch_axis + ("batch",) + (None,) * (block.ndim - batch_axis - 1)
         sharding = gpt.input_sharding(self.model, self.mesh, axes)
         return jax.make_array_from_callback(block.shape, sharding, lambda index: block[index])
+
+    def put_whole(self, block: np.ndarray) -> jax.Array:
+        """A host array onto every device whole (each process copies its own)."""
+        return jax.make_array_from_callback(block.shape, self.replicated, lambda index: block[index])
 
     def schedule(self, sizes: List[Tuple[int, ...]], cap: int,
                  most_chunks: int) -> Iterator[Tuple[int, int, int, Tuple[int, ...]]]:
@@ -615,9 +622,9 @@ class InferenceJob:
             eos = self.tokenizer.eos_token_id
             keys = lambda ids_B, seed: jax.vmap(lambda i: jax.random.fold_in(jax.random.key(seed), i))(ids_B)
 
-            def start(variables, prompts_BP, mask_BP, ids_B, seed):
+            def start(variables, prompts_BP, mask_BP, ids_B, seed, prefix_1Q):
                 return gpt.start_rollout(self.model, variables, prompts_BP, mask_BP, n_new, eos, temperature, top_p,
-                                         keys(ids_B, seed))
+                                         keys(ids_B, seed), prefix_1Q)
 
             def advance(variables, rollout, stopped_B, ids_B, seed):
                 rollout = rollout._replace(done_B=rollout.done_B | stopped_B)
@@ -714,18 +721,35 @@ class InferenceJob:
     def generate_batch(self, batch: List[GenerationRequest], rows: int, length: int, room: int, n_new: int,
                        sampling: Tuple[float, float, int], keep_rows: bool) -> List[Generation]:
         """One batch of prompts [rows, length] decoded until every row is done (EOS, a stop
-        string, n_new tokens): the prefill, then segments, the host checking between them."""
+        string, n_new tokens): the prefill (the prompts' shared beginning once, then the rest
+        of each), then segments, the host checking between them."""
         temperature, top_p, seed = sampling
         start, advance = self._generator(n_new, temperature, top_p)
-        tokens, mask = self.pad([r.prompt[-room:] for r in batch], length, rows, left=True)
+        prompts = [r.prompt[-room:] for r in batch]
+        prefix = [] if keep_rows else self.shared_prefix(prompts)  # kept rows are whole prompts
+        tokens, mask = self.pad([p[len(prefix):] for p in prompts], length - len(prefix), rows, left=True)
         ids = np.zeros(rows, np.int32)
         ids[:len(batch)] = [r.doc for r in batch]
         ids_B = self.put(ids, batch_axis=0)
-        rollout = start(self.variables, self.put(tokens, 0), self.put(mask, 0), ids_B, seed)
+        prefix_1Q = self.put_whole(np.array([prefix], np.int32)) if prefix else None
+        rollout = start(self.variables, self.put(tokens, 0), self.put(mask, 0), ids_B, seed, prefix_1Q)
         new_BN, ends, steps = self.decode_segments(advance, rollout, batch, rows, ids_B, seed, n_new)
-        self.rollouts_run.append((rows, steps, max(e or n_new for e in ends)))
+        prefill = len(prefix) + rows * (length - len(prefix))
+        self.rollouts_run.append((rows, steps, max(e or n_new for e in ends), prefill))
         return [self.generation(r, new_BN[i].tolist(), ends[i], len(r.prompt) > room,
                                 (tokens[i], mask[i]) if keep_rows else None) for i, r in enumerate(batch)]
+
+    def shared_prefix(self, prompts: List[List[int]]) -> List[int]:
+        """The first tokens all prompts of a batch have in common (the few-shot examples of a
+        task), in multiples of SHARED_PREFIX_STEP tokens (so batches share one shape), each
+        prompt keeping a token of its own: start_rollout computes them once, not per row.
+        Empty with a sliding window, which counts slots."""
+        if self.model.sliding_window is not None or len(prompts) < 2:
+            return []
+        common = min(len(p) for p in prompts) - 1
+        for p in prompts[1:]:
+            common = min(common, common_length(prompts[0], p))
+        return prompts[0][:common // SHARED_PREFIX_STEP * SHARED_PREFIX_STEP]
 
     def decode_segments(self, advance: Callable, rollout: Any, batch: List[GenerationRequest], rows: int,
                         ids_B: jax.Array, seed: int, n_new: int) -> Tuple[np.ndarray, List[Optional[int]], int]:

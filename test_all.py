@@ -849,9 +849,33 @@ def test_stop_strings_end_decoding_early_with_the_same_texts(small, tokenizer):
     assert [g.text for g in cut] == [inference.cut_at_stop(g.text, [s]) for g, s in zip(full, stops)]
     assert [g.tokens for g in cut] == [g.tokens[:k] for g, k in zip(full, ends)]
     needed = [max(ends[:4]), max(ends[4:])]
-    assert [(rows, need) for rows, _, need in job.rollouts_run] == [(4, needed[0]), (2, needed[1])]
-    assert all(0 <= run - need < inference.SEGMENT_STEPS for _, run, need in job.rollouts_run)
-    assert sum(run for _, run, _ in job.rollouts_run) < 2 * N - inference.SEGMENT_STEPS
+    assert [(rows, need) for rows, _, need, _ in job.rollouts_run] == [(4, needed[0]), (2, needed[1])]
+    assert all(0 <= run - need < inference.SEGMENT_STEPS for _, run, need, _ in job.rollouts_run)
+    assert sum(run for _, run, _, _ in job.rollouts_run) < 2 * N - inference.SEGMENT_STEPS
+
+
+@pytest.mark.parametrize("batch,shard", [(1, 1), (4, 2)])
+def test_generation_computes_a_shared_prompt_prefix_once(small, batch, shard, monkeypatch):
+    """Prompts that begin alike (few-shot examples) are prefilled from one row of their
+    common beginning, in steps of SHARED_PREFIX_STEP tokens, each prompt keeping a token of
+    its own: the same tokens as prefilling every prompt whole, for fewer prefill slots
+    (counted), on one device and on a 4x2 mesh."""
+    model, host = small
+    mesh = gpt.make_mesh(batch, shard, devices=jax.devices()[:batch * shard])
+    job = inference.InferenceJob(model, gpt.place_params(model, mesh, host), jobs.ByteTokenizer(), mesh,
+                                 batch_size=4, quiet=True)
+    shots = list(b"Q: 2+2? A: 4. Q: 3+5? A: 8. ")  # 28 tokens
+    prompts = [shots + list(q) for q in (b"Q: 1+1? A:", b"Q: 7?", b"Q", b"Q: 12+30? A:", b"Q: 9+", b"x")]
+    requests = [inference.GenerationRequest(i, p, ()) for i, p in enumerate(prompts)]
+    monkeypatch.setattr(inference, "SHARED_PREFIX_STEP", 8)
+    shared = [g.tokens for _, g in job.generate_until(requests, 12)]
+    assert job.shared_prefix(prompts[:4]) == shots[:24] and job.shared_prefix(prompts[4:]) == shots[:24]
+    monkeypatch.setattr(inference, "SHARED_PREFIX_STEP", 1000)  # no prefix is that long: every prompt whole
+    whole = [g.tokens for _, g in job.generate_until(requests, 12)]
+    assert shared == whole and all(len(t) == 12 for t in shared)
+    (rows, _, _, shared_slots), (_, _, _, whole_slots) = job.rollouts_run[0], job.rollouts_run[2]
+    length = whole_slots // rows  # the first batch's padded prompt length
+    assert shared_slots == 24 + rows * (length - 24) < whole_slots
 
 
 def test_checkpoint_round_trip(small, tmp_path):
