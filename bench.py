@@ -32,7 +32,7 @@ What it does, in order:
 5. The float32 matmul peak (the best jitted square matmul of --matmul-sizes, raced with
    the scorers) turns FLOP/s into MFU.
 With --limits, only bench_limits runs: no transformers, no torch (see its docstring).
-With --shapes, only bench_shapes runs: MMLU-, hellaswag-, gsm8k- and wikitext-shaped lm-eval
+With --shapes, only bench_shapes runs: MMLU-, hellaswag-, gsm8k-, gsm8k-CoT- and wikitext-shaped lm-eval
 tasks through this project's command line and through lm-eval's HF model, whole processes
 side by side, with the work each computed and a check that their answers agree.
 
@@ -108,7 +108,7 @@ class BenchConfig:
     memory_tbps: float = option(0.0, "nominal memory bandwidth per device, e.g. 4.3 on an H200 (0: none)")
     shapes: bool = option(False, "benchmark shapes (MMLU, hellaswag, gsm8k, rolling perplexity) through this "
                                  "project's command line and lm-eval's HF model, a random Llama of --layers ...")
-    workloads: str = option("mmlu,hellaswag,gsm8k,wikitext", "the --shapes workloads to run, in order")
+    workloads: str = option("mmlu,hellaswag,gsm8k,gsm8k_cot,wikitext", "the --shapes workloads to run, in order")
     workdir: str = option("", "where --shapes keeps its model and tasks, reused by a rerun (default: a temporary one)")
     mmlu_questions: int = option(40, "--shapes: MMLU-style test questions")
     hellaswag_items: int = option(80, "--shapes: hellaswag-style items")
@@ -640,12 +640,14 @@ SHAPES = {  # workload -> (task, what it is)
     "mmlu": ("local_mmlu", "MMLU-style, 5-shot, 4 one-token choices"),
     "hellaswag": ("local_hellaswag", "hellaswag-style, 4 multi-token endings"),
     "gsm8k": ("local_gsm8k", "gsm8k-style, 5-shot generation until stop strings, --max-gen-toks new tokens"),
+    "gsm8k_cot": ("local_gsm8k_cot", "gsm8k-CoT-style, the same with 8 fixed examples (a shared prompt prefix)"),
     "wikitext": ("local_wikitext", "rolling perplexity, ragged documents"),
 }
 # gsm8k's own stop strings, and "." and "," (triviaqa's and nq_open's): random weights never
 # write "Question:", but about one token in fifty they emit holds a period or a comma, so
 # rows end at varied lengths, a few at the 256-token limit
 GSM8K_UNTIL = ["Question:", "</s>", "<|im_end|>", ".", ","]
+COT_UNTIL = ["Q:", "</s>", "<|im_end|>", ".", ","]  # gsm8k-cot's own, and the same two
 EOT = "<|endoftext|>"
 NAMES, ITEMS = ("Tom", "Ana", "Lee", "Sam", "Mia", "Raj"), ("apples", "books", "coins", "pens", "shells")
 
@@ -783,7 +785,7 @@ def write_task(task_dir: Path, name: str, include: str, splits: Dict[str, List[D
 
 
 def write_shape_tasks(cfg: BenchConfig, task_dir: Path, paragraphs: List[str]) -> List[str]:
-    """The four local tasks; returns the text they hold (the tokenizer learns from it too)."""
+    """The five local tasks; returns the text they hold (the tokenizer learns from it too)."""
     rng, lines = np.random.default_rng(cfg.seed), sentences(paragraphs[: len(paragraphs) // 2])
     mmlu = {"dev": mmlu_docs(rng, lines, 5), "test": mmlu_docs(rng, lines, cfg.mmlu_questions)}
     write_task(task_dir, "local_mmlu", "mmlu/default/_default_template_yaml", mmlu, num_fewshot=5,
@@ -793,6 +795,10 @@ def write_shape_tasks(cfg: BenchConfig, task_dir: Path, paragraphs: List[str]) -
     gsm8k = {"train": gsm8k_docs(rng, 8), "test": gsm8k_docs(rng, cfg.gsm8k_questions)}
     write_task(task_dir, "local_gsm8k", "gsm8k/gsm8k.yaml", gsm8k, num_fewshot=5,
                generation_kwargs={"until": GSM8K_UNTIL, "do_sample": False, "max_gen_toks": cfg.max_gen_toks})
+    # gsm8k-cot.yaml: its own 8 examples before every question (few-shot sampler first_n), as in
+    # bbh's and MMLU's chain-of-thought tasks
+    write_task(task_dir, "local_gsm8k_cot", "gsm8k/gsm8k-cot.yaml", {"test": gsm8k["test"]},
+               generation_kwargs={"until": COT_UNTIL, "do_sample": False, "max_gen_toks": cfg.max_gen_toks})
     pages = wikitext_docs(rng, paragraphs[len(paragraphs) // 2:], cfg.wikitext_docs + 4)
     write_task(task_dir, "local_wikitext", "wikitext/wikitext.yaml",
                {"train": pages[:2], "validation": pages[2:4], "test": pages[4:]})
@@ -933,7 +939,7 @@ def bench_shapes(cfg: BenchConfig, say: Callable[[str], None]) -> Dict[str, Any]
         say(f"{name}: this project")
         our_s, ours = run_ours(cfg, built, task, runs / "ours")
         out[name] = {"hf_seconds": hf_s, "our_seconds": our_s, **agreement(theirs, ours),
-                     **work_done(theirs, ours, name == "gsm8k")}
+                     **work_done(theirs, ours, name.startswith("gsm8k"))}
         # sums in another order: float32 log-likelihoods agree to ~1e-5 (texts may differ after a near-tie)
         assert out[name]["same_count"] and out[name]["max_rel"] < tolerance(cfg), f"{name}: answers differ: {out[name]}"
     if not cfg.workdir:
