@@ -32,9 +32,10 @@ What it does, in order:
 5. The float32 matmul peak (the best jitted square matmul of --matmul-sizes, raced with
    the scorers) turns FLOP/s into MFU.
 With --limits, only bench_limits runs: no transformers, no torch (see its docstring).
-With --shapes, only bench_shapes runs: MMLU-, hellaswag-, gsm8k-, gsm8k-CoT- and wikitext-shaped lm-eval
-tasks through this project's command line and through lm-eval's HF model, whole processes
-side by side, with the work each computed and a check that their answers agree.
+With --shapes, only bench_shapes runs: MMLU-, hellaswag-, gsm8k-, gsm8k-CoT- and
+wikitext-shaped lm-eval tasks through this project's command line and through lm-eval's HF
+model, whole processes side by side, with the work each computed and a check that their
+answers agree.
 
 Every timing is a warm-up call (which compiles), then --reps rounds in which the
 contenders take turns, so that other processes' load falls on all of them alike; the
@@ -106,8 +107,8 @@ class BenchConfig:
     dtype: str = option("float32", "parameters and activations of both contenders (float32 checks exactness)")
     peak_tflops: float = option(0.0, "nominal matmul peak per device at --dtype, e.g. 790 on an H200 (0: none)")
     memory_tbps: float = option(0.0, "nominal memory bandwidth per device, e.g. 4.3 on an H200 (0: none)")
-    shapes: bool = option(False, "benchmark shapes (MMLU, hellaswag, gsm8k, rolling perplexity) through this "
-                                 "project's command line and lm-eval's HF model, a random Llama of --layers ...")
+    shapes: bool = option(False, "benchmark shapes (MMLU, hellaswag, gsm8k, gsm8k-CoT, rolling perplexity) through "
+                                 "this project's command line and lm-eval's HF model, a random Llama of --layers ...")
     workloads: str = option("mmlu,hellaswag,gsm8k,gsm8k_cot,wikitext", "the --shapes workloads to run, in order")
     workdir: str = option("", "where --shapes keeps its model and tasks, reused by a rerun (default: a temporary one)")
     mmlu_questions: int = option(40, "--shapes: MMLU-style test questions")
@@ -904,9 +905,11 @@ def agreement(theirs: Dict[str, Any], ours: Dict[str, Any]) -> Dict[str, Any]:
             "scores": {k: v for k, v in ours["results"].items() if isinstance(v, float)}}
 
 
-def work_done(theirs: Dict[str, Any], ours: Dict[str, Any], generation: bool) -> Dict[str, Any]:
+def work_done(theirs: Dict[str, Any], ours: Dict[str, Any]) -> Dict[str, Any]:
     """Tokens computed per request (the padded slots every forward pass ran) and, for
-    generation, the decoding steps (new tokens per row, summed over batches), both sides."""
+    generation (ours decoded batches), the decoding steps (new tokens per row, summed over
+    batches), both sides."""
+    generation = bool(ours["rollouts"])
     requests = sum(len(s["resps"]) for s in ours["samples"] if s["filter"] == ours["samples"][0]["filter"])
     hf_slots = sum(b * t for b, t in theirs["shapes"])
     our_slots = sum(prefill + r * run for r, run, _, prefill in ours["rollouts"]) if generation else \
@@ -939,7 +942,7 @@ def bench_shapes(cfg: BenchConfig, say: Callable[[str], None]) -> Dict[str, Any]
         say(f"{name}: this project")
         our_s, ours = run_ours(cfg, built, task, runs / "ours")
         out[name] = {"hf_seconds": hf_s, "our_seconds": our_s, **agreement(theirs, ours),
-                     **work_done(theirs, ours, name.startswith("gsm8k"))}
+                     **work_done(theirs, ours)}
         # sums in another order: float32 log-likelihoods agree to ~1e-5 (texts may differ after a near-tie)
         assert out[name]["same_count"] and out[name]["max_rel"] < tolerance(cfg), f"{name}: answers differ: {out[name]}"
     if not cfg.workdir:

@@ -308,8 +308,8 @@ def scored_slots(packs: List[Pack], rows: int, width: int) -> Tuple[np.ndarray, 
 # cache; a step of few rows costs mostly the reading of the weights, whatever their number.
 
 SEGMENT_STEPS = 8
-# A batch's prompts that begin alike (gsm8k's 5-shot examples: about 400 of a prompt's 480
-# tokens) are prefilled from one row of that beginning (InferenceJob.shared_prefix)
+# A batch's prompts that begin alike (a task's fixed few-shot examples, such as gsm8k-cot's
+# 8) are prefilled from one row of that beginning (InferenceJob.shared_prefix)
 SHARED_PREFIX_STEP = 64
 
 
