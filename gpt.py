@@ -409,8 +409,9 @@ class Attention(Module):
 
     def __call__(self, x_BTD: jax.Array, pos_BT: jax.Array, allowed_BTS: jax.Array,
                  deterministic: bool = True, kv: Optional[Tuple[jax.Array, jax.Array]] = None,
-                 slot: Optional[jax.Array] = None):
-        """(y_BTD, the layer's updated (k_BKSE, v_BKSE) or None without a cache)."""
+                 slot: Optional[jax.Array] = None, fresh: bool = False):
+        """(y_BTD, the layer's updated (k_BKSE, v_BKSE) or None without a cache). fresh: the
+        cache is empty (see GPT.decode)."""
         c = self.cfg
         B, T, D = x_BTD.shape
         q_BTHE = self.q(x_BTD).reshape(B, T, c.n_head, c.head_dim)
@@ -427,12 +428,16 @@ class Attention(Module):
         if kv is None:  # no cache: no query sees a later key
             y_BTHE = attend_causal(q_BTHE, k_BTKE, v_BTKE, allowed_BTS, c.scale, c.window, c.softcap)
         else:  # write the T new keys/values into their cache slots, then attend over all S
-            k_BKSE, v_BKSE = k_BTKE.transpose(0, 2, 1, 3), v_BTKE.transpose(0, 2, 1, 3)
-            k_BKSE = jax.lax.dynamic_update_slice(kv[0], k_BKSE.astype(kv[0].dtype), (0, 0, slot, 0))
-            v_BKSE = jax.lax.dynamic_update_slice(kv[1], v_BKSE.astype(kv[1].dtype), (0, 0, slot, 0))
+            k_BKSE = jax.lax.dynamic_update_slice(kv[0], k_BTKE.transpose(0, 2, 1, 3).astype(kv[0].dtype),
+                                                  (0, 0, slot, 0))
+            v_BKSE = jax.lax.dynamic_update_slice(kv[1], v_BTKE.transpose(0, 2, 1, 3).astype(kv[1].dtype),
+                                                  (0, 0, slot, 0))
             kv = (k_BKSE, v_BKSE)
-            y_BTHE = attend(q_BTHE, k_BKSE.astype(q_BTHE.dtype), v_BKSE.astype(q_BTHE.dtype), allowed_BTS,
-                            c.scale, c.softcap)
+            if fresh:  # the cache held nothing: the new tokens see only each other (allowed_BTS [B, T, T])
+                y_BTHE = attend_causal(q_BTHE, k_BTKE, v_BTKE, allowed_BTS, c.scale, None, c.softcap)
+            else:
+                y_BTHE = attend(q_BTHE, k_BKSE.astype(q_BTHE.dtype), v_BKSE.astype(q_BTHE.dtype), allowed_BTS,
+                                c.scale, c.softcap)
         y_BTD = self.o(y_BTHE.reshape(B, T, c.n_head * c.head_dim))
         return self.drop(y_BTD, deterministic=deterministic), kv
 
@@ -618,10 +623,10 @@ class Block(Module):
 
     def __call__(self, x_BTD: jax.Array, pos_BT: jax.Array, allowed_BTS: jax.Array,
                  deterministic: bool = True, kv: Optional[Tuple[jax.Array, jax.Array]] = None,
-                 slot: Optional[jax.Array] = None):
+                 slot: Optional[jax.Array] = None, fresh: bool = False):
         """(x_BTD after the block, the layer's updated cache or None)."""
         attn_in_BTD = self.ln_1(x_BTD) if self.pre_norm else x_BTD
-        a_BTD, kv = self.attn(attn_in_BTD, pos_BT, allowed_BTS, deterministic, kv, slot)
+        a_BTD, kv = self.attn(attn_in_BTD, pos_BT, allowed_BTS, deterministic, kv, slot, fresh)
         if self.sandwich_norm:
             a_BTD = self.ln_attn_out(a_BTD)
         a_BTD = a_BTD * self.residual_multiplier
@@ -783,7 +788,7 @@ class GPT(Module):
 
     def decode(self, x: jax.Array, padding_mask: Optional[jax.Array] = None, deterministic: bool = False,
                positions: Optional[jax.Array] = None, cache: Optional[KVCache] = None,
-               allowed: Optional[jax.Array] = None, **kwargs: Any):
+               allowed: Optional[jax.Array] = None, fresh: bool = False, **kwargs: Any):
         """Run the blocks over embeddings x [B, T, D]. Returns x, or (x, cache) with a cache.
 
         padding_mask [B, T] is True at real tokens; padded keys are never attended to, so
@@ -792,7 +797,10 @@ class GPT(Module):
         a cache (see init_cache), the T new tokens go into slots cache.slot .. +T and attend
         to every earlier valid slot. On local layers a sliding window counts slots (token
         indices, as transformers counts them): with left padding only, a row's real tokens
-        sit in consecutive slots, so it is the window of positions too.
+        sit in consecutive slots, so it is the window of positions too. fresh: the cache is
+        empty (a prefill from slot 0), so the new tokens attend among themselves without a
+        cache (attend_causal: in query blocks, over the keys up to each block's end), not
+        over all S slots, most of them empty.
 
         allowed [B, T, T] (no cache) says outright which keys each query sees: several
         sequences packed into one row, each with its own `positions` (inference.py packs the
@@ -808,10 +816,12 @@ class GPT(Module):
             valid_BS, query_T, key_S = mask_BT, jnp.arange(T), jnp.arange(T)
             kvs, slot = [None] * self.n_layers, None
         else:
-            slot = cache.slot
-            valid_BS = jax.lax.dynamic_update_slice(cache.valid_BS, mask_BT, (0, slot))
-            query_T, key_S = slot + jnp.arange(T), jnp.arange(valid_BS.shape[1])
-            kvs = list(zip(cache.keys, cache.values))
+            slot, kvs = cache.slot, list(zip(cache.keys, cache.values))
+            cache_valid_BS = jax.lax.dynamic_update_slice(cache.valid_BS, mask_BT, (0, slot))
+            if fresh:  # the keys are the new tokens alone
+                valid_BS, query_T, key_S = mask_BT, jnp.arange(T), jnp.arange(T)
+            else:
+                valid_BS, query_T, key_S = cache_valid_BS, slot + jnp.arange(T), jnp.arange(cache_valid_BS.shape[1])
         allowed_BTS = local_BTS = None  # without a padding mask or cache: the fused path (attend_causal)
         if allowed is not None:
             allowed_BTS = local_BTS = allowed
@@ -825,14 +835,14 @@ class GPT(Module):
         for depth, (block, kv) in enumerate(zip(self.blocks, kvs)):
             residual_BTD = x_BTD
             x_BTD, kv = block(x_BTD, pos_BT, local_BTS if self.is_local(depth) else allowed_BTS,
-                              deterministic, kv, slot)
+                              deterministic, kv, slot, fresh)
             self.measure(x_BTD, residual_BTD, depth, mask_BT)
             new_kvs.append(kv)
         x_BTD = self.ln_f(x_BTD)
         if cache is None:
             return x_BTD
         keys, values = zip(*new_kvs)
-        return x_BTD, KVCache(tuple(keys), tuple(values), valid_BS, slot + T)
+        return x_BTD, KVCache(tuple(keys), tuple(values), cache_valid_BS, slot + T)
 
     def check_length(self, length: int) -> None:
         """Longrope's factors hold up to its original context only: past it transformers
@@ -886,8 +896,10 @@ class GPT(Module):
         logits_BTV = self.unembed(x_BTD)
         return logits_BTV, None if targets is None else self.loss(logits_BTV, targets)
 
-    def extend(self, idx: jax.Array, padding_mask: jax.Array, cache: KVCache) -> Tuple[jax.Array, KVCache]:
+    def extend(self, idx: jax.Array, padding_mask: jax.Array, cache: KVCache,
+               fresh: bool = False) -> Tuple[jax.Array, KVCache]:
         """Append idx [B, T] to a KV cache: (logits of the last token [B, V], updated cache).
+        fresh: the cache is empty, as init_cache made it (see decode).
 
         Only the last position is unembedded: decoding needs nothing else, and for a
         prefill of T tokens the other T-1 rows of the [D, V] matmul would be wasted work.
@@ -896,7 +908,7 @@ class GPT(Module):
         count_B = cache.valid_BS.sum(-1)  # real tokens already in the cache
         pos_BT = jnp.maximum(count_B[:, None] + jnp.cumsum(padding_mask, -1) - 1, 0)
         x_BTD = self.embed(idx, True, positions=pos_BT)
-        x_BTD, cache = self.decode(x_BTD, padding_mask, True, positions=pos_BT, cache=cache)
+        x_BTD, cache = self.decode(x_BTD, padding_mask, True, positions=pos_BT, cache=cache, fresh=fresh)
         return self.unembed(x_BTD[:, -1]), cache
 
     def init_cache(self, batch: int, length: int) -> KVCache:
@@ -1050,9 +1062,9 @@ def start_rollout(model: GPT, params: Any, prompt_BP: jax.Array, mask_BP: jax.Ar
             raise ValueError("a shared prefix puts padding inside prompts, where a sliding window counts slots")
         Q = prefix_1Q.shape[1]
         empty = model.init_cache(1, Q + P + max_new_tokens)
-        _, shared = model.apply(params, prefix_1Q, jnp.ones((1, Q), bool), empty, method=GPT.extend)
+        _, shared = model.apply(params, prefix_1Q, jnp.ones((1, Q), bool), empty, True, method=GPT.extend)
         cache = jax.tree.map(lambda x_1: jnp.broadcast_to(x_1, (B, *x_1.shape[1:])) if x_1.ndim else x_1, shared)
-    logits_BV, cache = model.apply(params, prompt_BP, mask_BP, cache, method=GPT.extend)
+    logits_BV, cache = model.apply(params, prompt_BP, mask_BP, cache, prefix_1Q is None, method=GPT.extend)
     out_BN = jnp.full((B, max_new_tokens), 0 if eos_id is None else eos_id, jnp.int32)
     first_B = pick_token(logits_BV, 0, keys_B, temperature, top_p)
     done_B = ~mask_BP.any(-1)
