@@ -912,13 +912,15 @@ def work_done(theirs: Dict[str, Any], ours: Dict[str, Any]) -> Dict[str, Any]:
     generation = bool(ours["rollouts"])
     requests = sum(len(s["resps"]) for s in ours["samples"] if s["filter"] == ours["samples"][0]["filter"])
     hf_slots = sum(b * t for b, t in theirs["shapes"])
-    our_slots = sum(prefill + r * run for r, run, _, prefill in ours["rollouts"]) if generation else \
+    our_slots = sum(prefill + row_steps for _, _, _, prefill, row_steps in ours["rollouts"]) if generation else \
         sum(c * r * t for _, c, r, t in ours["blocks"])
     out = {"requests": requests, "hf_tokens_per_request": hf_slots / requests,
            "our_tokens_per_request": our_slots / requests}
     if generation:  # each of HF's forward calls (prefill included) gives one token per row
-        out.update(hf_steps=len(theirs["shapes"]), our_steps=sum(run for _, run, _, _ in ours["rollouts"]),
-                   needed_steps=sum(need for _, _, need, _ in ours["rollouts"]))
+        out.update(hf_steps=len(theirs["shapes"]), our_steps=sum(run for _, run, _, _, _ in ours["rollouts"]),
+                   needed_steps=sum(need for _, _, need, _, _ in ours["rollouts"]),
+                   hf_row_steps=sum(b for b, t in theirs["shapes"] if t == 1),
+                   our_row_steps=sum(row_steps for *_, row_steps in ours["rollouts"]))
     return out
 
 

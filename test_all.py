@@ -252,18 +252,24 @@ def test_kv_cache_greedy_equals_recompute(name):
 
 
 @pytest.mark.parametrize("name", ["gpt2", "everything"])
-def test_extend_logits_equal_full_forward(name):
+@pytest.mark.parametrize("prefill", ["over the cache", "fresh", "fresh, query blocks of 2"])
+def test_extend_logits_equal_full_forward(name, prefill, monkeypatch):
     """Prefill a ragged batch, then feed tokens one at a time: each step's logits (those of
-    its last token) equal the full forward pass over the whole left-padded sequence."""
+    its last token) equal the full forward pass over the whole left-padded sequence. The
+    prefill attends over all the cache's slots, or (fresh, as start_rollout asks) among the
+    prompts' own tokens, whole or in query blocks (with EVERYTHING's sliding window)."""
+    if prefill.endswith("of 2"):
+        monkeypatch.setattr(gpt, "QUERY_BLOCK", 2)
     model = tiny(**CONFIGS[name])
     variables = init(model)
     idx, mask = left_pad(ragged_prompts())
     extra = tokens((len(idx), STEPS), seed=3)
     full = logits_of(model, variables, np.concatenate([idx, extra], 1),
                      np.concatenate([mask, np.ones_like(extra, bool)], 1))
-    extend = jax.jit(lambda v, x, m, c: model.apply(v, x, m, c, method=gpt.GPT.extend))
+    extend = jax.jit(lambda v, x, m, c, fresh=False: model.apply(v, x, m, c, fresh, method=gpt.GPT.extend),
+                     static_argnums=4)
     cache = model.init_cache(len(idx), idx.shape[1] + extra.shape[1])
-    step_logits, cache = extend(variables, idx, mask, cache)
+    step_logits, cache = extend(variables, idx, mask, cache, prefill != "over the cache")
     got = [np.asarray(step_logits)]
     for t in range(extra.shape[1]):
         step_logits, cache = extend(variables, extra[:, t:t + 1], np.ones((len(idx), 1), bool), cache)
@@ -849,9 +855,42 @@ def test_stop_strings_end_decoding_early_with_the_same_texts(small, tokenizer):
     assert [g.text for g in cut] == [inference.cut_at_stop(g.text, [s]) for g, s in zip(full, stops)]
     assert [g.tokens for g in cut] == [g.tokens[:k] for g, k in zip(full, ends)]
     needed = [max(ends[:4]), max(ends[4:])]
-    assert [(rows, need) for rows, _, need, _ in job.rollouts_run] == [(4, needed[0]), (2, needed[1])]
-    assert all(0 <= run - need < inference.SEGMENT_STEPS for _, run, need, _ in job.rollouts_run)
-    assert sum(run for _, run, _, _ in job.rollouts_run) < 2 * N - inference.SEGMENT_STEPS
+    assert [(r.rows, r.needed) for r in job.rollouts_run] == [(4, needed[0]), (2, needed[1])]
+    assert all(0 <= r.steps - r.needed < inference.SEGMENT_STEPS for r in job.rollouts_run)
+    assert sum(r.steps for r in job.rollouts_run) < 2 * N - inference.SEGMENT_STEPS
+
+
+@pytest.mark.parametrize("batch,shard", [(1, 1), (4, 2)])
+def test_done_rows_are_dropped_between_segments(small, batch, shard, monkeypatch):
+    """Once a batch's running rows fit in a quarter of its rows, they go on in a smaller
+    rollout (the next power of two, a multiple of the mesh's "batch" size): the same texts
+    and tokens as decoding every row to the batch's end, in fewer row-steps (counted), on
+    one device and on a 4x2 mesh (16 rows -> 4, 1 device: -> 1)."""
+    model, host = small
+    mesh = gpt.make_mesh(batch, shard, devices=jax.devices()[:batch * shard])
+    job = inference.InferenceJob(model, gpt.place_params(model, mesh, host), Triples(), mesh, batch_size=16,
+                                 quiet=True)
+    prompts, N = [list(f"{w} {i}".encode()) for i, w in enumerate(["the cat", "hello", "12+3", "ab"] * 4)], 40
+    full = [g for _, g in job.generate_until([inference.GenerationRequest(i, p, ()) for i, p in enumerate(prompts)], N)]
+    # a stop string is a token's text (Triples): every row ends by its 8th token but one, after its 33rd
+    late = next(t for k, t in enumerate(full[0].tokens) if k >= 33 and t not in full[0].tokens[:k])
+    stops = [job.tokenizer.decode([g.tokens[k % 8] if k else late]) for k, g in enumerate(full)]
+    requests = [inference.GenerationRequest(i, p, (s,)) for i, (p, s) in enumerate(zip(prompts, stops))]
+    sampled = lambda: [g.tokens for _, g in job.generate_until(requests, N, temperature=1.0, seed=5)]
+    dropped_sampled = sampled()
+    job.rollouts_run.clear()
+    dropped = [g for _, g in job.generate_until(requests, N)]
+    monkeypatch.setattr(inference.InferenceJob, "compact", lambda self, rollout, ids_B, held, stopped:
+                        (rollout, ids_B, held))
+    kept = [g for _, g in job.generate_until(requests, N)]
+    assert [(g.text, g.tokens) for g in dropped] == [(g.text, g.tokens) for g in kept]
+    assert sampled() == dropped_sampled  # each row's sampling keys go with it
+    ends = sorted(next(k for k in range(1, N + 1) if s in job.tokenizer.decode(g.tokens[:k]))
+                  for g, s in zip(full, stops))
+    early = -(-ends[-2] // inference.SEGMENT_STEPS) * inference.SEGMENT_STEPS  # when one row is left
+    (run, whole) = job.rollouts_run[:2]
+    assert early < 32 < ends[-1] and run.steps == whole.steps and whole.row_steps == 16 * whole.steps
+    assert run.row_steps <= 16 * early + 4 * (run.steps - early) < whole.row_steps
 
 
 @pytest.mark.parametrize("batch,shard", [(1, 1), (4, 2)])
@@ -873,7 +912,7 @@ def test_generation_computes_a_shared_prompt_prefix_once(small, batch, shard, mo
     monkeypatch.setattr(inference, "SHARED_PREFIX_STEP", 1000)  # no prefix is that long: every prompt whole
     whole = [g.tokens for _, g in job.generate_until(requests, 12)]
     assert shared == whole and all(len(t) == 12 for t in shared)
-    (rows, _, _, shared_slots), (_, _, _, whole_slots) = job.rollouts_run[0], job.rollouts_run[2]
+    rows, shared_slots, whole_slots = job.rollouts_run[0].rows, job.rollouts_run[0].prefill, job.rollouts_run[2].prefill
     length = whole_slots // rows  # the first batch's padded prompt length
     assert shared_slots == 24 + rows * (length - 24) < whole_slots
 
