@@ -817,9 +817,9 @@ class InferenceJob:
         two of rows (a multiple of the data-parallel size), once that is at most a quarter of
         the rows it has; else the rollout as it is. Each row count compiles the decoding
         segment anew (2-3 s for a 30-layer model on a CPU): 16 rows go to 4, then 1, never
-        through 8 and 2. Measured on gsm8k-style answers, 16-row batches, a 117M Llama on 2
-        cores: 49.7 s of decoding without dropping rows, 37.4 s halving (five shapes), 35.6 s
-        by quarters (three)."""
+        through 8 and 2. Measured on bench.py's gsm8k-style answers, two 16-row batches, a 117M
+        Llama on 2 cores: 51.2 s of decoding without dropping rows, 38.9 s halving (five
+        shapes), 37.7 s by quarters (three)."""
         running = np.flatnonzero(~stopped[held])
         rows = -(-(1 << max(len(running) - 1, 0).bit_length()) // self.dp) * self.dp
         if 4 * rows > len(held):
