@@ -698,6 +698,20 @@ def test_scores_do_not_depend_on_batch_size_or_mesh(small):
                 np.testing.assert_allclose(got[name], reference[name], rtol=1e-5)
 
 
+@pytest.mark.parametrize("batch", [1, 4])
+def test_a_short_last_batch_pads_its_rows_only_where_a_later_window_could_share_them(small, batch):
+    """11 requests at 8 rows a batch: 8, then 3 rows, padded to 4 (a shape the short batch
+    of a later window may share) but not in the last window, where only the mesh's "batch"
+    size rounds them up."""
+    model, host = small
+    mesh = gpt.make_mesh(batch, 1, devices=jax.devices()[:batch])
+    job = inference.InferenceJob(model, gpt.place_params(model, mesh, host), jobs.ByteTokenizer(), mesh,
+                                 batch_size=8, quiet=True)
+    sizes = [(n,) for n in range(40, 29, -1)]
+    rows = lambda last: [rows for _, _, rows, _ in job.schedule(sizes, 64, 1, last)]
+    assert rows(False) == [8, 4] and rows(True) == [8, 4 if batch == 4 else 3]
+
+
 def test_ragged_documents_waste_little_on_padding():
     """Documents of mixed lengths go into blocks of similar lengths: at most 15% of the
     scored slots are padding, and there are a handful of block shapes (so of compilations:
