@@ -478,11 +478,15 @@ class InferenceJob:
             tokens[i, where], mask[i, where] = row, True
         return tokens, mask
 
+    def batch_split(self, ndim: int, batch_axis: int) -> jax.sharding.NamedSharding:
+        """An array of ndim dimensions with its batch_axis split over "batch"."""
+        axes = (None,) * batch_axis + ("batch",) + (None,) * (ndim - batch_axis - 1)
+        return gpt.input_sharding(self.model, self.mesh, axes)
+
     def put(self, block: np.ndarray, batch_axis: int = 1) -> jax.Array:
         """A host block [chunks, batch, ...] (or [batch, ...], batch_axis 0) onto the mesh,
         its batch split over "batch"."""
-        axes = (None,) * batch_axis + ("batch",) + (None,) * (block.ndim - batch_axis - 1)
-        sharding = gpt.input_sharding(self.model, self.mesh, axes)
+        sharding = self.batch_split(block.ndim, batch_axis)
         return jax.make_array_from_callback(block.shape, sharding, lambda index: block[index])
 
     def put_whole(self, block: np.ndarray) -> jax.Array:
@@ -638,11 +642,7 @@ class InferenceJob:
         dimension; the step and the cache's slot are the batch's), the batch split over the
         mesh's "batch" axis as before."""
         def take(x: jax.Array) -> jax.Array:
-            if not x.ndim:
-                return x
-            taken = x[rows_R]
-            axes = ("batch",) + (None,) * (x.ndim - 1)
-            return jax.lax.with_sharding_constraint(taken, gpt.input_sharding(self.model, self.mesh, axes))
+            return jax.lax.with_sharding_constraint(x[rows_R], self.batch_split(x.ndim, 0)) if x.ndim else x
 
         return jax.tree.map(take, (rollout, ids_B))
 
@@ -829,10 +829,9 @@ class InferenceJob:
         rows = -(-(1 << max(len(running) - 1, 0).bit_length()) // self.dp) * self.dp
         if 4 * rows > len(held):
             return rollout, ids_B, held
-        keep = np.concatenate([running, np.flatnonzero(stopped[held])])[:rows]
-        keep_R = self.put_whole(np.sort(keep).astype(np.int32))
-        rollout, ids_B = self._take_rows(rollout, ids_B, keep_R)
-        return rollout, ids_B, held[np.sort(keep)]
+        keep = np.sort(np.concatenate([running, np.flatnonzero(stopped[held])])[:rows])
+        rollout, ids_B = self._take_rows(rollout, ids_B, self.put_whole(keep.astype(np.int32)))
+        return rollout, ids_B, held[keep]
 
     def generation(self, r: GenerationRequest, new: List[int], end: Optional[int], truncated: bool,
                    row: Any) -> Generation:
