@@ -427,7 +427,7 @@ class Attention(Module):
             k_BTKE = rotary(k_BTKE, pos_BT, c.rotary_fraction, c.rope_theta, c.rope_scaling)
         if kv is None:  # no cache: no query sees a later key
             y_BTHE = attend_causal(q_BTHE, k_BTKE, v_BTKE, allowed_BTS, c.scale, c.window, c.softcap)
-        else:  # write the T new keys/values into their cache slots, then attend over all S
+        else:  # write the T new keys/values into their cache slots, then attend over all S (fresh: over the T)
             k_BKSE = jax.lax.dynamic_update_slice(kv[0], k_BTKE.transpose(0, 2, 1, 3).astype(kv[0].dtype),
                                                   (0, 0, slot, 0))
             v_BKSE = jax.lax.dynamic_update_slice(kv[1], v_BTKE.transpose(0, 2, 1, 3).astype(kv[1].dtype),
