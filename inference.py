@@ -279,17 +279,22 @@ def packed_allowed(branches_BT: jax.Array, leaves_BT: jax.Array) -> jax.Array:
     return earlier_1TS & (key_branch >= 0) & ((key_branch == 0) | own_branch)
 
 
-def scored_slots(packs: List[Pack], rows: int, width: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """[rows, width] each: where in its row each scored token is predicted, the target, and
-    whose it is (the request's index in the block, -1 for padding)."""
-    where, targets, owner = (np.full((rows, width), fill, np.int32) for fill in (0, 0, -1))
-    first = 0  # the pack's first request in the block
+def scored_slots(packs: List[Pack], shares: int, per_share: int, length: int,
+                 width: int) -> Tuple[np.ndarray, ...]:
+    """The scored tokens of a block's packs, its rows taken per_share at a time (one
+    device's rows): [shares, per_share * width] each of where the token is predicted (in
+    the share's rows end to end), its target, and whose it is (the request's index in the
+    block, -1 for padding), the real ones first; and [shares] how many are real."""
+    where, targets, owner = (np.full((shares, per_share * width), fill, np.int32) for fill in (0, 0, -1))
+    counts, first = np.zeros(shares, np.int32), 0  # first: the pack's first request in the block
     for i, p in enumerate(packs):
+        share, n = i // per_share, counts[i // per_share]
         if p.scored:
             m, (w, t, k) = len(p.scored), np.array(p.scored).T
-            where[i, :m], targets[i, :m], owner[i, :m] = w, t, first + k
+            where[share, n:n + m], targets[share, n:n + m] = (i % per_share) * length + w, t
+            owner[share, n:n + m], counts[share] = first + k, n + m
         first += len(p.requests)
-    return where, targets, owner
+    return where, targets, owner, counts
 
 
 # ----------------------------------------------------------------------------- stop strings
@@ -337,6 +342,7 @@ def steps_to_end(ids: List[int], eos: Optional[int], until: Sequence[str], decod
 
 SORT_WINDOW = 8  # blocks' worth of requests sorted by length at a time
 LOGITS_BYTES = 1 << 28  # float32 logits unembedded at a time when scoring (256 MB)
+UNEMBED_PIECE = 128  # scored positions per share unembedded at a time: the loop skips padding in these steps
 PROGRESS_SECONDS = 5.0  # between two progress lines when stderr is not a terminal
 
 
@@ -604,38 +610,45 @@ class InferenceJob:
         return self.model.apply(variables, tokens_BT, positions_BT, packed_allowed(branches_BT, leaves_BT),
                                 method=embed_and_decode)
 
-    def token_scores(self, variables: Any, x_BSD: jax.Array, targets_BS: jax.Array) -> Tuple[jax.Array, jax.Array]:
-        """(log-probability of each target [B, S], whether it is the argmax [B, S]) given the
-        hidden states that predict them, unembedding a few at a time so the float32 logits
-        [B, S, V] never exist whole (a 151,936-token vocabulary at 16 x 1024 would be 10 GB)."""
-        B, S, D = x_BSD.shape
-        P = S  # positions per piece: halved while the piece's logits exceed LOGITS_BYTES
-        while 4 * B * P * self.model.vocab_size > LOGITS_BYTES and P % 2 == 0:
+    def token_scores(self, variables: Any, x_GMD: jax.Array, targets_GM: jax.Array,
+                     real: jax.Array) -> Tuple[jax.Array, jax.Array]:
+        """(log-probability of each target [G, M], whether it is the argmax [G, M]) given the
+        hidden states that predict them, of which the first `real` (at most) of each row G
+        are asked for: unembedded UNEMBED_PIECE at a time in a loop that stops after the last
+        real one, so the float32 logits [G, M, V] never exist whole (a 151,936-token
+        vocabulary at 16 x 1024 would be 10 GB) and padding costs nothing. A multiple choice
+        block pads each row's scored slots to its longest row's power of two, half of them
+        in hellaswag's rows; their logits over a 49,152-token vocabulary cost more than a
+        third of the block's time."""
+        G, M, D = x_GMD.shape
+        P = min(M, UNEMBED_PIECE, M & -M)  # positions per piece: a power of two dividing M
+        while 4 * G * P * self.model.vocab_size > LOGITS_BYTES and P % 2 == 0:
             P //= 2
-        x_NBPD = x_BSD.reshape(B, S // P, P, D).transpose(1, 0, 2, 3)
-        targets_NBP = targets_BS.reshape(B, S // P, P).transpose(1, 0, 2)
 
-        def piece(args):
-            x_BPD, t_BP = args
-            logits_BPV = self.model.apply(variables, x_BPD, method=gpt.GPT.unembed)
-            return -gpt.token_nll(logits_BPV, t_BP), is_argmax(logits_BPV, t_BP)
+        def piece(i, scores):
+            x_GPD, t_GP = (jax.lax.dynamic_slice_in_dim(a, i * P, P, axis=1) for a in (x_GMD, targets_GM))
+            logits_GPV = self.model.apply(variables, x_GPD, method=gpt.GPT.unembed)
+            new = -gpt.token_nll(logits_GPV, t_GP), is_argmax(logits_GPV, t_GP)
+            return tuple(jax.lax.dynamic_update_slice_in_dim(a, b, i * P, axis=1) for a, b in zip(scores, new))
 
-        logprob_NBP, correct_NBP = jax.lax.map(piece, (x_NBPD, targets_NBP))
-        return logprob_NBP.transpose(1, 0, 2).reshape(B, S), correct_NBP.transpose(1, 0, 2).reshape(B, S)
+        empty = jnp.zeros((G, M), jnp.float32), jnp.zeros((G, M), bool)
+        return jax.lax.fori_loop(0, -(-real // P), piece, empty)
 
-    def _score_block(self, variables, tokens_CBT, layout_CBT, where_CBS, targets_CBS):
+    def _score_block(self, variables, tokens_CBT, layout_CBT, where_CGM, targets_CGM, real_C):
         """Per scored slot of a [chunks, batch, length] block: the log-probability of its
-        target and whether it is the argmax, read from the hidden state at `where` (the
-        token that predicts it). Only those S slots are unembedded: in multiple choice the
-        context's positions predict nothing anyone asked for. One lax.scan over the chunks,
-        so only one chunk's activations exist at a time."""
+        target and whether it is the argmax, read from the hidden state at `where`, within
+        one of G shares of the batch's rows (one per device of the mesh's "batch" axis, so
+        that each device reads and unembeds its own rows). Only those slots are unembedded:
+        in multiple choice the context's positions predict nothing anyone asked for. One
+        lax.scan over the chunks, so only one chunk's activations exist at a time."""
         def one_chunk(_, chunk):
-            tokens_BT, layout, where_BS, targets_BS = chunk
+            tokens_BT, layout, where_GM, targets_GM, real = chunk
             x_BTD = self.hidden(variables, tokens_BT, layout)
-            x_BSD = jnp.take_along_axis(x_BTD, where_BS[..., None], axis=1)
-            return None, self.token_scores(variables, x_BSD, targets_BS)
+            x_GND = x_BTD.reshape(where_GM.shape[0], -1, x_BTD.shape[-1])  # a share's rows end to end
+            x_GMD = jnp.take_along_axis(x_GND, where_GM[..., None], axis=1)
+            return None, self.token_scores(variables, x_GMD, targets_GM, real)
 
-        return jax.lax.scan(one_chunk, None, (tokens_CBT, layout_CBT, where_CBS, targets_CBS))[1]
+        return jax.lax.scan(one_chunk, None, (tokens_CBT, layout_CBT, where_CGM, targets_CGM, real_C))[1]
 
     def take_rows(self, rollout: Any, ids_B: jax.Array, rows_R: jax.Array) -> Tuple[Any, jax.Array]:
         """The rollout and the rows' sample ids, of these rows only (every array with a batch
@@ -701,12 +714,14 @@ class InferenceJob:
         fused = gpt.uses_cudnn(self.model.adtype) and self.model.attn_softcap is None and not packed
         self.check_memory(rows, length, width, 0 if fused else min(length, gpt.QUERY_BLOCK))
         tokens, mask = self.pad([p.tokens for p in packs], length, n, left=False)
-        where, targets, owner = scored_slots(packs, n, width)
+        per_share = rows // self.dp
+        where, targets, owner, counts = scored_slots(packs, chunks * self.dp, per_share, length, width)
+        real = self.put_whole(counts.reshape(chunks, self.dp).max(1))  # a loop's length: the same everywhere
         layout = self.packed_layout(packs, chunks, rows, length) if packed else None
         with jax.set_mesh(self.mesh):  # traced under the mesh: gpt.rows_at_a_time reads it
             out = self._score(self.variables, self.put(tokens.reshape(chunks, rows, length)), layout,
-                              *(self.put(a.reshape(chunks, rows, width)) for a in (where, targets)))
-        logprob, correct = (np.asarray(o).reshape(n, width) for o in out)
+                              *(self.put(a.reshape(chunks, self.dp, -1)) for a in (where, targets)), real)
+        logprob, correct = (np.asarray(o).reshape(owner.shape) for o in out)
         real, total = owner >= 0, sum(len(p.requests) for p in packs)  # per request, summed in float64
         logprobs, corrects, counts = (np.bincount(owner[real], weights=w, minlength=total)
                                       for w in (logprob[real], correct[real], None))

@@ -786,6 +786,24 @@ def test_shared_contexts_score_as_alone_with_less_work(small):
     np.testing.assert_allclose([s.logprob for s in shared], [s.logprob for s in alone], rtol=1e-5)
 
 
+def test_scoring_unembeds_only_the_pieces_that_hold_scored_tokens(small, monkeypatch):
+    """A share's scored slots are unembedded UNEMBED_PIECE at a time up to the last piece
+    with a real one: the padding after it is never computed (NaN hidden states there stay
+    out of the results), and the real ones score as a direct log-softmax does."""
+    monkeypatch.setattr(inference, "UNEMBED_PIECE", 4)
+    ev = evaluator(small, [])
+    rng = np.random.default_rng(0)
+    x_GMD = rng.standard_normal((2, 16, SMALL["n_embd"])).astype(np.float32)
+    x_GMD[:, 8:] = np.nan  # 5 real slots: pieces 0-3 and 4-7 run, 8-15 must not
+    targets_GM = rng.integers(0, SMALL["vocab_size"], (2, 16)).astype(np.int32)
+    logprob, correct = jax.jit(ev.token_scores)(ev.variables, x_GMD, targets_GM, jnp.int32(5))
+    logits = np.asarray(ev.model.apply(ev.variables, x_GMD[:, :8], method=gpt.GPT.unembed))
+    expected = np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)), targets_GM[:, :8, None], -1)[..., 0]
+    np.testing.assert_allclose(np.asarray(logprob)[:, :8], expected, rtol=1e-5)
+    assert np.array_equal(np.asarray(correct)[:, :8], logits.argmax(-1) == targets_GM[:, :8])
+    assert not np.asarray(logprob)[:, 8:].any() and not np.asarray(correct)[:, 8:].any()
+
+
 def test_shared_contexts_on_two_processes(small, tiny_ckpt, tmp_path):
     """The command line as two processes (a 2x2 mesh over both) scores every choice as this
     process does with each alone."""
