@@ -617,9 +617,9 @@ class InferenceJob:
         are asked for: unembedded UNEMBED_PIECE at a time in a loop that stops after the last
         real one, so the float32 logits [G, M, V] never exist whole (a 151,936-token
         vocabulary at 16 x 1024 would be 10 GB) and padding costs nothing. A multiple choice
-        block pads each row's scored slots to its longest row's power of two, half of them
-        in hellaswag's rows; their logits over a 49,152-token vocabulary cost more than a
-        third of the block's time."""
+        block pads each row's scored slots to its longest row's power of two, about half of
+        them in hellaswag's rows (16 rows of 128 tokens, 65 of 128 slots a row real,
+        vocabulary 19,254: 2.06 s a block unembedding them all, 1.82 s so, on 2 cores)."""
         G, M, D = x_GMD.shape
         P = min(M, UNEMBED_PIECE, M & -M)  # positions per piece: a power of two dividing M
         while 4 * G * P * self.model.vocab_size > LOGITS_BYTES and P % 2 == 0:
@@ -716,11 +716,11 @@ class InferenceJob:
         tokens, mask = self.pad([p.tokens for p in packs], length, n, left=False)
         per_share = rows // self.dp
         where, targets, owner, counts = scored_slots(packs, chunks * self.dp, per_share, length, width)
-        real = self.put_whole(counts.reshape(chunks, self.dp).max(1))  # a loop's length: the same everywhere
+        most_real = self.put_whole(counts.reshape(chunks, self.dp).max(1))  # the unembedding loop's length
         layout = self.packed_layout(packs, chunks, rows, length) if packed else None
         with jax.set_mesh(self.mesh):  # traced under the mesh: gpt.rows_at_a_time reads it
             out = self._score(self.variables, self.put(tokens.reshape(chunks, rows, length)), layout,
-                              *(self.put(a.reshape(chunks, self.dp, -1)) for a in (where, targets)), real)
+                              *(self.put(a.reshape(chunks, self.dp, -1)) for a in (where, targets)), most_real)
         logprob, correct = (np.asarray(o).reshape(owner.shape) for o in out)
         real, total = owner >= 0, sum(len(p.requests) for p in packs)  # per request, summed in float64
         logprobs, corrects, counts = (np.bincount(owner[real], weights=w, minlength=total)
