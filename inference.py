@@ -288,7 +288,8 @@ def scored_slots(packs: List[Pack], shares: int, per_share: int, length: int,
     where, targets, owner = (np.full((shares, per_share * width), fill, np.int32) for fill in (0, 0, -1))
     counts, first = np.zeros(shares, np.int32), 0  # first: the pack's first request in the block
     for i, p in enumerate(packs):
-        share, n = i // per_share, counts[i // per_share]
+        share = i // per_share
+        n = counts[share]
         if p.scored:
             m, (w, t, k) = len(p.scored), np.array(p.scored).T
             where[share, n:n + m], targets[share, n:n + m] = (i % per_share) * length + w, t
@@ -621,7 +622,7 @@ class InferenceJob:
         them in hellaswag's rows (16 rows of 128 tokens, 65 of 128 slots a row real,
         vocabulary 19,254: 2.06 s a block unembedding them all, 1.82 s so, on 2 cores)."""
         G, M, D = x_GMD.shape
-        P = min(M, UNEMBED_PIECE, M & -M)  # positions per piece: a power of two dividing M
+        P = min(UNEMBED_PIECE, M & -M)  # positions per piece: a power of two dividing M
         while 4 * G * P * self.model.vocab_size > LOGITS_BYTES and P % 2 == 0:
             P //= 2
 
