@@ -716,8 +716,8 @@ class InferenceJob:
         self.check_memory(rows, length, width, 0 if fused else min(length, gpt.QUERY_BLOCK))
         tokens, mask = self.pad([p.tokens for p in packs], length, n, left=False)
         per_share = rows // self.dp
-        where, targets, owner, counts = scored_slots(packs, chunks * self.dp, per_share, length, width)
-        most_real = self.put_whole(counts.reshape(chunks, self.dp).max(1))  # the unembedding loop's length
+        where, targets, owner, real_per_share = scored_slots(packs, chunks * self.dp, per_share, length, width)
+        most_real = self.put_whole(real_per_share.reshape(chunks, self.dp).max(1))  # the unembedding loop's length
         layout = self.packed_layout(packs, chunks, rows, length) if packed else None
         with jax.set_mesh(self.mesh):  # traced under the mesh: gpt.rows_at_a_time reads it
             out = self._score(self.variables, self.put(tokens.reshape(chunks, rows, length)), layout,
