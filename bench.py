@@ -664,7 +664,7 @@ cfg.validate()
 spec = ExecutionSpec(name=evaluate.BackboneEvaluate.KEY, out_dir=cfg.out, seed=cfg.seed, cfg=cfg)
 job = evaluate.BackboneEvaluate(spec, Node(cfg.ckpt))
 job.run()
-print(json.dumps({"blocks": job.blocks_run, "rollouts": job.rollouts_run}))
+print(json.dumps({"blocks": job.blocks_run, "rollouts": [r._asdict() for r in job.rollouts_run]}))
 """
 
 # lm-eval's side: its HF model on the same directory and task, with every forward call's
@@ -912,15 +912,16 @@ def work_done(theirs: Dict[str, Any], ours: Dict[str, Any]) -> Dict[str, Any]:
     generation = bool(ours["rollouts"])
     requests = sum(len(s["resps"]) for s in ours["samples"] if s["filter"] == ours["samples"][0]["filter"])
     hf_slots = sum(b * t for b, t in theirs["shapes"])
-    our_slots = sum(prefill + row_steps for _, _, _, prefill, row_steps in ours["rollouts"]) if generation else \
+    runs = ours["rollouts"]
+    our_slots = sum(r["prefill"] + r["row_steps"] for r in runs) if generation else \
         sum(c * r * t for _, c, r, t in ours["blocks"])
     out = {"requests": requests, "hf_tokens_per_request": hf_slots / requests,
            "our_tokens_per_request": our_slots / requests}
     if generation:  # each of HF's forward calls (prefill included) gives one token per row
-        out.update(hf_steps=len(theirs["shapes"]), our_steps=sum(run for _, run, _, _, _ in ours["rollouts"]),
-                   needed_steps=sum(need for _, _, need, _, _ in ours["rollouts"]),
+        out.update(hf_steps=len(theirs["shapes"]), our_steps=sum(r["steps"] for r in runs),
+                   needed_steps=sum(r["needed"] for r in runs),
                    hf_row_steps=sum(b for b, t in theirs["shapes"] if t == 1),
-                   our_row_steps=sum(row_steps for *_, row_steps in ours["rollouts"]))
+                   our_row_steps=sum(r["row_steps"] for r in runs))
     return out
 
 

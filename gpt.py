@@ -244,7 +244,8 @@ def rotary(x_BTHE: jax.Array, pos_BT: jax.Array, fraction: float, base: float,
 
 
 def attend(q_BTHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allowed_BTS: jax.Array,
-           scale: Optional[float] = None, softcap: Optional[float] = None) -> jax.Array:
+           scale: Optional[float] = None, softcap: Optional[float] = None,
+           prefix: Optional[Tuple[jax.Array, jax.Array]] = None) -> jax.Array:
     """Softmax(q k^T * scale) v, each group of H/K query heads sharing one key/value head;
     scale None means 1 / sqrt(E). With a softcap (Gemma 2) the scaled scores become
     softcap * tanh(scores / softcap) before the mask, as transformers caps them.
@@ -258,21 +259,39 @@ def attend(q_BTHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allowed_BTS:
     2-3 GB/s (a 117M Llama, 16 rows, 896 slots: 269 -> 125 ms per step). Scores and
     softmax are float32; fully masked rows (left padding) come out finite and are never
     read by real tokens.
+
+    prefix (k_KQE, v_KQE): Q keys and values before every row's own S, all of them seen by
+    every query (a batch's shared few-shot examples, KVCache.prefix_keys). At a decoding
+    step their scores are one matmul over all rows' queries, so the prefix is read once,
+    not once per row, and the softmax runs over the Q + S scores together, in the order of
+    one [Q + S] cache. A block of queries (a prefill) sees it copied before each row's keys:
+    there the products' cost is the queries', and scores split in two would cost passes.
     """
     B, T, H, E = q_BTHE.shape
     K = k_BKSE.shape[1]
+    if prefix is not None and T > 1:
+        k_BKSE, v_BKSE = (jnp.concatenate([jnp.broadcast_to(p_KQE.astype(x.dtype), (B, *p_KQE.shape)), x], 2)
+                          for p_KQE, x in zip(prefix, (k_BKSE, v_BKSE)))
+        allowed_BTS = jnp.concatenate([jnp.ones((*allowed_BTS.shape[:2], prefix[0].shape[1]), bool),
+                                       jnp.broadcast_to(allowed_BTS, (B, *allowed_BTS.shape[1:]))], -1)
+        prefix = None
     q_BKGTE = q_BTHE.reshape(B, T, K, H // K, E).transpose(0, 2, 3, 1, 4)
     if T == 1:
         scores = (q_BKGTE.astype(jnp.float32) * k_BKSE[:, :, None].astype(jnp.float32)).sum(-1)[:, :, :, None]
     else:
         scores = jnp.einsum("bkgte,bkse->bkgts", q_BKGTE, k_BKSE, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(E) if scale is None else scores * scale
-    if softcap is not None:
-        scores = softcap * jnp.tanh(scores / softcap)
-    scores = jnp.where(allowed_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    scores = jnp.where(allowed_BTS[:, None, None], capped(scores, E, scale, softcap), jnp.finfo(jnp.float32).min)
     if T == 1:  # one pass over the cache: softmax, then the weighted sum of v fused into it
+        Q = 0
+        if prefix is not None:
+            prefix_scores = jnp.einsum("bkgte,kqe->bkgtq", q_BKGTE, prefix[0].astype(q_BKGTE.dtype),
+                                       preferred_element_type=jnp.float32)
+            scores, Q = jnp.concatenate([capped(prefix_scores, E, scale, softcap), scores], -1), prefix[0].shape[1]
         probs = jax.nn.softmax(scores, axis=-1)
-        y_BKGE = (probs[:, :, :, 0, :, None] * v_BKSE[:, :, None].astype(jnp.float32)).sum(-2)
+        y_BKGE = (probs[:, :, :, 0, Q:, None] * v_BKSE[:, :, None].astype(jnp.float32)).sum(-2)
+        if prefix is not None:
+            y_BKGE = y_BKGE + jnp.einsum("bkgq,kqe->bkge", probs[:, :, :, 0, :Q].astype(v_BKSE.dtype),
+                                         prefix[1].astype(v_BKSE.dtype), preferred_element_type=jnp.float32)
         return y_BKGE.astype(v_BKSE.dtype).reshape(B, T, H, E)
     # softmax normalized after the product with v, T x E divisions instead of T x S: on a
     # CPU each pass over the scores costs more than the products (6 rows of 1,024 tokens,
@@ -282,6 +301,12 @@ def attend(q_BTHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allowed_BTS:
                          preferred_element_type=jnp.float32)
     y_BKGTE = y_BKGTE / weights.sum(-1, keepdims=True)
     return y_BKGTE.transpose(0, 3, 1, 2, 4).reshape(B, T, H, E).astype(v_BKSE.dtype)
+
+
+def capped(scores: jax.Array, E: int, scale: Optional[float], softcap: Optional[float]) -> jax.Array:
+    """Scores q.k scaled (None: by 1 / sqrt(E)) and, with a softcap, softcap * tanh(s / softcap)."""
+    scores = scores / math.sqrt(E) if scale is None else scores * scale
+    return scores if softcap is None else softcap * jnp.tanh(scores / softcap)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -424,9 +449,10 @@ class Attention(Module):
 
     def __call__(self, x_BTD: jax.Array, pos_BT: jax.Array, allowed_BTS: jax.Array,
                  deterministic: bool = True, kv: Optional[Tuple[jax.Array, jax.Array]] = None,
-                 slot: Optional[jax.Array] = None, fresh: bool = False):
+                 slot: Optional[jax.Array] = None, fresh: bool = False,
+                 prefix: Optional[Tuple[jax.Array, jax.Array]] = None):
         """(y_BTD, the layer's updated (k_BKSE, v_BKSE) or None without a cache). fresh: the
-        cache is empty (see GPT.decode)."""
+        cache is empty (see GPT.decode); prefix: the cache's shared (k_KQE, v_KQE) or None."""
         c = self.cfg
         B, T, D = x_BTD.shape
         q_BTHE = self.q(x_BTD).reshape(B, T, c.n_head, c.head_dim)
@@ -452,7 +478,7 @@ class Attention(Module):
                 y_BTHE = attend_causal(q_BTHE, k_BTKE, v_BTKE, allowed_BTS, c.scale, None, c.softcap)
             else:
                 y_BTHE = attend(q_BTHE, k_BKSE.astype(q_BTHE.dtype), v_BKSE.astype(q_BTHE.dtype), allowed_BTS,
-                                c.scale, c.softcap)
+                                c.scale, c.softcap, prefix)
         y_BTD = self.o(y_BTHE.reshape(B, T, c.n_head * c.head_dim))
         return self.drop(y_BTD, deterministic=deterministic), kv
 
@@ -638,10 +664,11 @@ class Block(Module):
 
     def __call__(self, x_BTD: jax.Array, pos_BT: jax.Array, allowed_BTS: jax.Array,
                  deterministic: bool = True, kv: Optional[Tuple[jax.Array, jax.Array]] = None,
-                 slot: Optional[jax.Array] = None, fresh: bool = False):
+                 slot: Optional[jax.Array] = None, fresh: bool = False,
+                 prefix: Optional[Tuple[jax.Array, jax.Array]] = None):
         """(x_BTD after the block, the layer's updated cache or None)."""
         attn_in_BTD = self.ln_1(x_BTD) if self.pre_norm else x_BTD
-        a_BTD, kv = self.attn(attn_in_BTD, pos_BT, allowed_BTS, deterministic, kv, slot, fresh)
+        a_BTD, kv = self.attn(attn_in_BTD, pos_BT, allowed_BTS, deterministic, kv, slot, fresh, prefix)
         if self.sandwich_norm:
             a_BTD = self.ln_attn_out(a_BTD)
         a_BTD = a_BTD * self.residual_multiplier
@@ -661,12 +688,22 @@ class Block(Module):
 
 class KVCache(NamedTuple):
     """The decoder's state: per layer keys and values [B, K, S, E], which of the S slots
-    hold real tokens [B, S], and the slot the next token goes to (a scalar)."""
+    hold real tokens [B, S], and the slot the next token goes to (a scalar).
+
+    prefix_keys, prefix_values: per layer [K, Q, E], Q tokens that come before every row's
+    slots (the few-shot examples all prompts of a batch begin with, start_rollout), held
+    once for the batch: a decoding step reads them once, not once per row."""
 
     keys: Tuple[jax.Array, ...]
     values: Tuple[jax.Array, ...]
     valid_BS: jax.Array
     slot: jax.Array
+    prefix_keys: Tuple[jax.Array, ...] = ()
+    prefix_values: Tuple[jax.Array, ...] = ()
+
+    @property
+    def prefix_length(self) -> int:
+        return self.prefix_keys[0].shape[1] if self.prefix_keys else 0
 
 
 class GPT(Module):
@@ -810,7 +847,7 @@ class GPT(Module):
         padding cannot change real positions. Without one, every row is a sequence from
         position 0 (right padding, if any, is never seen by the real tokens before it). With
         a cache (see init_cache), the T new tokens go into slots cache.slot .. +T and attend
-        to every earlier valid slot. On local layers a sliding window counts slots (token
+        to the cache's prefix, if it has one, and every earlier valid slot. On local layers a sliding window counts slots (token
         indices, as transformers counts them): with left padding only, a row's real tokens
         sit in consecutive slots, so it is the window of positions too. fresh: the cache is
         empty (a prefill from slot 0), so the new tokens attend among themselves without a
@@ -826,12 +863,14 @@ class GPT(Module):
         B, T, _ = x_BTD.shape
         mask_BT = jnp.ones((B, T), bool) if padding_mask is None else padding_mask.astype(bool)
         pos_BT = positions_for(mask_BT, positions)
-        self.check_length(T if cache is None else cache.valid_BS.shape[1])
+        self.check_length(T if cache is None else cache.prefix_length + cache.valid_BS.shape[1])
+        prefixes = [None] * self.n_layers
         if cache is None:
             valid_BS, query_T, key_S = mask_BT, jnp.arange(T), jnp.arange(T)
             kvs, slot = [None] * self.n_layers, None
         else:
             slot, kvs = cache.slot, list(zip(cache.keys, cache.values))
+            prefixes = list(zip(cache.prefix_keys, cache.prefix_values)) or prefixes
             cache_valid_BS = jax.lax.dynamic_update_slice(cache.valid_BS, mask_BT, (0, slot))
             if fresh:  # the keys are the new tokens alone
                 valid_BS, query_T, key_S = mask_BT, jnp.arange(T), jnp.arange(T)
@@ -847,17 +886,18 @@ class GPT(Module):
             if self.sliding_window is not None:
                 local_BTS = allowed_BTS & window_allowed(query_T, key_S, self.sliding_window)[None]
         new_kvs = []
-        for depth, (block, kv) in enumerate(zip(self.blocks, kvs)):
+        for depth, (block, kv, prefix) in enumerate(zip(self.blocks, kvs, prefixes)):
             residual_BTD = x_BTD
             x_BTD, kv = block(x_BTD, pos_BT, local_BTS if self.is_local(depth) else allowed_BTS,
-                              deterministic, kv, slot, fresh)
+                              deterministic, kv, slot, fresh, prefix)
             self.measure(x_BTD, residual_BTD, depth, mask_BT)
             new_kvs.append(kv)
         x_BTD = self.ln_f(x_BTD)
         if cache is None:
             return x_BTD
         keys, values = zip(*new_kvs)
-        return x_BTD, KVCache(tuple(keys), tuple(values), cache_valid_BS, slot + T)
+        return x_BTD, cache._replace(keys=tuple(keys), values=tuple(values), valid_BS=cache_valid_BS,
+                                     slot=slot + T)
 
     def check_length(self, length: int) -> None:
         """Longrope's factors hold up to its original context only: past it transformers
@@ -920,18 +960,26 @@ class GPT(Module):
         prefill of T tokens the other T-1 rows of the [D, V] matmul would be wasted work.
         No dropout.
         """
-        count_B = cache.valid_BS.sum(-1)  # real tokens already in the cache
+        count_B = cache.prefix_length + cache.valid_BS.sum(-1)  # real tokens already in the cache
         pos_BT = jnp.maximum(count_B[:, None] + jnp.cumsum(padding_mask, -1) - 1, 0)
         x_BTD = self.embed(idx, True, positions=pos_BT)
         x_BTD, cache = self.decode(x_BTD, padding_mask, True, positions=pos_BT, cache=cache, fresh=fresh)
         return self.unembed(x_BTD[:, -1]), cache
 
-    def init_cache(self, batch: int, length: int) -> KVCache:
-        """An empty KV cache with `length` slots per sequence."""
+    def init_cache(self, batch: int, length: int, prefix: Optional[KVCache] = None) -> KVCache:
+        """An empty KV cache with `length` slots per sequence. prefix: a one-row cache of
+        tokens every sequence begins with (extend into init_cache(1, Q)), held once before
+        every row's slots (KVCache.prefix_keys)."""
         zeros = lambda: jnp.zeros((batch, self.kv_heads, length, self.head_width), self.adtype)
-        return KVCache(keys=tuple(zeros() for _ in range(self.n_layers)),
-                       values=tuple(zeros() for _ in range(self.n_layers)),
-                       valid_BS=jnp.zeros((batch, length), bool), slot=jnp.zeros((), jnp.int32))
+        cache = KVCache(keys=tuple(zeros() for _ in range(self.n_layers)),
+                        values=tuple(zeros() for _ in range(self.n_layers)),
+                        valid_BS=jnp.zeros((batch, length), bool), slot=jnp.zeros((), jnp.int32))
+        if prefix is None:
+            return cache
+        if self.sliding_window is not None:
+            raise ValueError("a shared prefix puts padding inside prompts, where a sliding window counts slots")
+        return cache._replace(prefix_keys=tuple(k_1KQE[0] for k_1KQE in prefix.keys),
+                              prefix_values=tuple(v_1KQE[0] for v_1KQE in prefix.values))
 
     def flops(self, seq: int) -> float:
         total = sum(block.flops(seq) for block in self.blocks)
@@ -1065,20 +1113,17 @@ def start_rollout(model: GPT, params: Any, prompt_BP: jax.Array, mask_BP: jax.Ar
     row with an empty prompt only pads the batch: it is done from the start.
 
     prefix_1Q: Q first tokens that every prompt begins with (few-shot examples), which
-    prompt_BP then leaves out. They are computed once and every row's cache starts with
-    them (Q + P + max_new_tokens slots), the left padding of the rest after them: positions
-    count real tokens, so every token keeps its position and sees what it sees in the whole
-    prompt. Not with a sliding window, which counts slots."""
+    prompt_BP then leaves out. They are computed once and held once, as the cache's prefix
+    (KVCache.prefix_keys), before every row's P + max_new_tokens slots, the left padding of
+    the rest after them: positions count real tokens, so every token keeps its position and
+    sees what it sees in the whole prompt. Not with a sliding window, which counts slots."""
     B, P = prompt_BP.shape
-    if prefix_1Q is None:
-        cache = model.init_cache(B, P + max_new_tokens)
-    else:
-        if model.sliding_window is not None:
-            raise ValueError("a shared prefix puts padding inside prompts, where a sliding window counts slots")
+    shared = None
+    if prefix_1Q is not None:
         Q = prefix_1Q.shape[1]
-        empty = model.init_cache(1, Q + P + max_new_tokens)
-        _, shared = model.apply(params, prefix_1Q, jnp.ones((1, Q), bool), empty, True, method=GPT.extend)
-        cache = jax.tree.map(lambda x_1: jnp.broadcast_to(x_1, (B, *x_1.shape[1:])) if x_1.ndim else x_1, shared)
+        _, shared = model.apply(params, prefix_1Q, jnp.ones((1, Q), bool), model.init_cache(1, Q), True,
+                                method=GPT.extend)
+    cache = model.init_cache(B, P + max_new_tokens, shared)
     logits_BV, cache = model.apply(params, prompt_BP, mask_BP, cache, prefix_1Q is None, method=GPT.extend)
     out_BN = jnp.full((B, max_new_tokens), 0 if eos_id is None else eos_id, jnp.int32)
     first_B = pick_token(logits_BV, 0, keys_B, temperature, top_p)

@@ -401,14 +401,17 @@ class Progress:
 
 class DecodeRun(NamedTuple):
     """What one decoded batch ran: its rows, the decoding steps, the steps its rows needed
-    (the latest end), the token slots its prefill computed, and the row-steps (rows times
-    steps, summed over segments: fewer than rows x steps once done rows are dropped)."""
+    (the latest end), the token slots its prefill computed, the row-steps (rows times
+    steps, summed over segments: fewer than rows x steps once done rows are dropped), and
+    the cache slots a decoding step over all its rows reads (the shared prefix once, then
+    each row's own)."""
 
     rows: int
     steps: int
     needed: int
     prefill: int
     row_steps: int
+    cache_slots: int
 
 
 class InferenceJob:
@@ -653,12 +656,16 @@ class InferenceJob:
 
     def take_rows(self, rollout: Any, ids_B: jax.Array, rows_R: jax.Array) -> Tuple[Any, jax.Array]:
         """The rollout and the rows' sample ids, of these rows only (every array with a batch
-        dimension; the step and the cache's slot are the batch's), the batch split over the
-        mesh's "batch" axis as before."""
+        dimension; the step, the cache's slot and its shared prefix are the batch's), the
+        batch split over the mesh's "batch" axis as before."""
         def take(x: jax.Array) -> jax.Array:
             return jax.lax.with_sharding_constraint(x[rows_R], self.batch_split(x.ndim, 0)) if x.ndim else x
 
-        return jax.tree.map(take, (rollout, ids_B))
+        cache = rollout.cache
+        rows_only = rollout._replace(cache=cache._replace(prefix_keys=(), prefix_values=()))
+        rollout, ids_B = jax.tree.map(take, (rows_only, ids_B))
+        shared = dict(prefix_keys=cache.prefix_keys, prefix_values=cache.prefix_values)
+        return rollout._replace(cache=rollout.cache._replace(**shared)), ids_B
 
     def _generator(self, n_new: int, temperature: float, top_p: float) -> Tuple[Callable, Callable]:
         """(start, advance), jitted once per decoding setting: start prefills a batch
@@ -785,8 +792,9 @@ class InferenceJob:
         with jax.set_mesh(self.mesh):  # traced under the mesh: the prefill's attention reads it (gpt.rows_at_a_time)
             rollout = start(self.variables, self.put(tokens, 0), self.put(mask, 0), ids_B, seed, prefix_1Q)
         new_BN, ends, steps, row_steps = self.decode_segments(advance, rollout, batch, rows, ids_B, seed, n_new)
-        prefill = len(prefix) + rows * (length - len(prefix))
-        self.rollouts_run.append(DecodeRun(rows, steps, max(e or n_new for e in ends), prefill, row_steps))
+        own = length - len(prefix)  # each row's prompt slots after the shared prefix
+        self.rollouts_run.append(DecodeRun(rows, steps, max(e or n_new for e in ends), len(prefix) + rows * own,
+                                           row_steps, len(prefix) + rows * (own + n_new)))
         return [self.generation(r, new_BN[i].tolist(), ends[i], len(r.prompt) > room,
                                 (tokens[i], mask[i]) if keep_rows else None) for i, r in enumerate(batch)]
 

@@ -277,6 +277,33 @@ def test_extend_logits_equal_full_forward(name, prefill, monkeypatch):
     assert np.abs(np.stack(got, 1) - full[:, idx.shape[1] - 1:]).max() <= 1e-5
 
 
+@pytest.mark.parametrize("name", ["llama", "everything but its window"])
+def test_extend_after_a_shared_prefix_equals_full_forward(name):
+    """A cache whose shared prefix is held once (init_cache's prefix, as start_rollout
+    makes it for few-shot examples) gives, for the ragged prompts after it and the tokens
+    fed one at a time, the logits of the full forward pass over prefix + left-padded
+    prompt: the prefix seen by every row's prefill and every decoding step (soft-caps,
+    scale and q/k norm too)."""
+    model = tiny(**(CONFIGS["llama"] if name == "llama" else {**EVERYTHING, "sliding_window": None}))
+    variables = init(model)
+    idx, mask = left_pad(ragged_prompts())
+    shared, extra = tokens((1, 5), seed=4), tokens((len(idx), STEPS), seed=3)
+    whole = np.concatenate([np.repeat(shared, len(idx), 0), idx, extra], 1)
+    full = logits_of(model, variables, whole, np.concatenate([np.ones_like(shared, bool).repeat(len(idx), 0), mask,
+                                                             np.ones_like(extra, bool)], 1))
+    extend = jax.jit(lambda v, x, m, c, fresh=False: model.apply(v, x, m, c, fresh, method=gpt.GPT.extend),
+                     static_argnums=4)
+    _, prefix = extend(variables, shared, np.ones_like(shared, bool), model.init_cache(1, 5), True)
+    cache = model.init_cache(len(idx), idx.shape[1] + extra.shape[1], prefix)
+    step_logits, cache = extend(variables, idx, mask, cache)
+    got = [np.asarray(step_logits)]
+    for t in range(extra.shape[1]):
+        step_logits, cache = extend(variables, extra[:, t:t + 1], np.ones((len(idx), 1), bool), cache)
+        got.append(np.asarray(step_logits))
+    assert cache.keys[0].shape[2] == idx.shape[1] + extra.shape[1] and cache.prefix_keys[0].shape[1] == 5
+    assert np.abs(np.stack(got, 1) - full[:, 5 + idx.shape[1] - 1:]).max() <= 1e-5
+
+
 def test_sliding_window_matters_only_beyond_it():
     """The window changes nothing in the first W positions and every position after them
     (that the three attention paths apply it alike: the KV-cache tests above and
@@ -929,8 +956,10 @@ def test_done_rows_are_dropped_between_segments(small, batch, shard, monkeypatch
 def test_generation_computes_a_shared_prompt_prefix_once(small, batch, shard, monkeypatch):
     """Prompts that begin alike (few-shot examples) are prefilled from one row of their
     common beginning, in steps of SHARED_PREFIX_STEP tokens, each prompt keeping a token of
-    its own: the same tokens as prefilling every prompt whole, for fewer prefill slots
-    (counted), on one device and on a 4x2 mesh."""
+    its own, and the cache holds that beginning once for all rows: the same tokens as
+    prefilling every prompt whole, for fewer prefill slots and fewer cache slots read per
+    decoding step (counted), on one device and on a 4x2 mesh, through compaction to fewer
+    rows (the prefix is the batch's, not a row's)."""
     model, host = small
     mesh = gpt.make_mesh(batch, shard, devices=jax.devices()[:batch * shard])
     job = inference.InferenceJob(model, gpt.place_params(model, mesh, host), jobs.ByteTokenizer(), mesh,
@@ -944,9 +973,25 @@ def test_generation_computes_a_shared_prompt_prefix_once(small, batch, shard, mo
     monkeypatch.setattr(inference, "SHARED_PREFIX_STEP", 1000)  # no prefix is that long: every prompt whole
     whole = [g.tokens for _, g in job.generate_until(requests, 12)]
     assert shared == whole and all(len(t) == 12 for t in shared)
-    rows, shared_slots, whole_slots = job.rollouts_run[0].rows, job.rollouts_run[0].prefill, job.rollouts_run[2].prefill
-    length = whole_slots // rows  # the first batch's padded prompt length
-    assert shared_slots == 24 + rows * (length - 24) < whole_slots
+    (run, _, alone, _) = job.rollouts_run
+    length = alone.prefill // run.rows  # the first batch's padded prompt length
+    assert run.prefill == 24 + run.rows * (length - 24) < alone.prefill
+    assert run.cache_slots == 24 + run.rows * (length - 24 + 12) < alone.cache_slots == run.rows * (length + 12)
+    # every row but the first ends at its text's second character: one batch of 16 rows moves
+    # to a quarter (compact) or fewer
+    monkeypatch.setattr(inference, "SEGMENT_STEPS", 2)
+    job = inference.InferenceJob(model, job.variables, jobs.ByteTokenizer(), mesh, batch_size=16, quiet=True)
+    texts = [job.tokenizer.decode(t) for t in whole]
+    stops = [inference.GenerationRequest(i, prompts[i % 6], (texts[i % 6][1:2] or "?",) if i else ())
+             for i in range(16)]
+
+    def texts_and_runs(step: int):
+        monkeypatch.setattr(inference, "SHARED_PREFIX_STEP", step)
+        job.rollouts_run.clear()
+        return [g.text for _, g in job.generate_until(stops, 12)], list(job.rollouts_run)
+
+    (shared_texts, runs), (whole_texts, _) = texts_and_runs(8), texts_and_runs(1000)
+    assert shared_texts == whole_texts and any(r.row_steps < r.rows * r.steps for r in runs)
 
 
 def test_checkpoint_round_trip(small, tmp_path):
