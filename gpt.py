@@ -874,8 +874,10 @@ class GPT(Module):
             cache_valid_BS = jax.lax.dynamic_update_slice(cache.valid_BS, mask_BT, (0, slot))
             if fresh:  # the keys are the new tokens alone
                 valid_BS, query_T, key_S = mask_BT, jnp.arange(T), jnp.arange(T)
-            else:
-                valid_BS, query_T, key_S = cache_valid_BS, slot + jnp.arange(T), jnp.arange(cache_valid_BS.shape[1])
+            else:  # a ring: slots after the new tokens hold older ones (refill_rollout), counted as before slot 0
+                key_S = jnp.arange(cache_valid_BS.shape[1])
+                query_T, key_S = slot + jnp.arange(T), jnp.where(key_S >= slot + T, key_S - len(key_S), key_S)
+                valid_BS = cache_valid_BS
         allowed_BTS = local_BTS = None  # without a padding mask or cache: the fused path (attend_causal)
         if allowed is not None:
             allowed_BTS = local_BTS = allowed
@@ -897,7 +899,7 @@ class GPT(Module):
             return x_BTD
         keys, values = zip(*new_kvs)
         return x_BTD, cache._replace(keys=tuple(keys), values=tuple(values), valid_BS=cache_valid_BS,
-                                     slot=slot + T)
+                                     slot=(slot + T) % cache_valid_BS.shape[1])
 
     def check_length(self, length: int) -> None:
         """Longrope's factors hold up to its original context only: past it transformers
@@ -1084,18 +1086,22 @@ def finite_rows(logits_BV: jax.Array) -> jax.Array:
 
 def pick_token(logits_BV: jax.Array, step: jax.Array, keys_B: Optional[jax.Array], temperature: float,
                top_p: float) -> jax.Array:
-    """The token of new position `step`: each sample's key folded with the step, so a token
-    depends on its sample and position only, never on the batch or on where a call began."""
-    keys = None if keys_B is None else jax.vmap(lambda k: jax.random.fold_in(k, step))(keys_B)
-    return sample_token(logits_BV, keys, temperature, top_p)
+    """The token of new position `step` (one for all rows, or each row's [B]): each sample's
+    key folded with the step, so a token depends on its sample and position only, never on
+    the batch or on where a call began."""
+    if keys_B is not None:
+        keys_B = jax.vmap(jax.random.fold_in)(keys_B, jnp.broadcast_to(step, keys_B.shape))
+    return sample_token(logits_BV, keys_B, temperature, top_p)
 
 
 class Rollout(NamedTuple):
-    """Decoding in progress, between calls of continue_rollout: `step` new tokens written
-    into out_BN [B, N], each row's next token (chosen, not yet written), the KV cache,
-    which rows are done (EOS, an empty prompt, or whatever the caller decided), and which
-    rows have had finite logits at every step so far (an argmax over NaN is a token too:
-    a caller refuses the text of a row that lost them, rather than print garbage)."""
+    """Decoding in progress, between calls of continue_rollout: the decoding steps run,
+    each row's next token (chosen, not yet written), the KV cache, the new tokens out_BN
+    [B, N], which rows are done (EOS, N tokens, an empty prompt, or whatever the caller
+    decided), which rows have had finite logits at every step so far (an argmax over NaN
+    is a token too: a caller refuses the text of a row that lost them, rather than print
+    garbage), and how many tokens each row has written (a row given a new prompt by
+    refill_rollout starts again from 0)."""
 
     step: jax.Array
     next_B: jax.Array
@@ -1103,6 +1109,7 @@ class Rollout(NamedTuple):
     out_BN: jax.Array
     done_B: jax.Array
     finite_B: jax.Array
+    written_B: jax.Array
 
 
 def start_rollout(model: GPT, params: Any, prompt_BP: jax.Array, mask_BP: jax.Array, max_new_tokens: int,
@@ -1128,30 +1135,64 @@ def start_rollout(model: GPT, params: Any, prompt_BP: jax.Array, mask_BP: jax.Ar
     out_BN = jnp.full((B, max_new_tokens), 0 if eos_id is None else eos_id, jnp.int32)
     first_B = pick_token(logits_BV, 0, keys_B, temperature, top_p)
     done_B = ~mask_BP.any(-1)
-    return Rollout(jnp.zeros((), jnp.int32), first_B, cache, out_BN, done_B, done_B | finite_rows(logits_BV))
+    return Rollout(jnp.zeros((), jnp.int32), first_B, cache, out_BN, done_B, done_B | finite_rows(logits_BV),
+                   jnp.zeros((B,), jnp.int32))
 
 
 def continue_rollout(model: GPT, params: Any, rollout: Rollout, steps: int, eos_id: Optional[int] = None,
                      temperature: float = 0.0, top_p: float = 1.0, keys_B: Optional[jax.Array] = None) -> Rollout:
     """Up to `steps` more tokens per row in one while_loop, which ends early once every row
-    is done and never writes past out_BN's N slots. After a row's eos_id the rest of its
-    row repeats eos_id."""
+    is done; a row is done at eos_id or once it has written out_BN's N tokens, and a done
+    row writes nothing more (after eos_id its row holds eos_id, as start_rollout filled it)."""
     B, N = rollout.out_BN.shape
     stop = -1 if eos_id is None else eos_id
-    end = jnp.minimum(rollout.step + steps, N)
+    end = rollout.step + steps
 
     def cond(r: Rollout) -> jax.Array:
         return (r.step < end) & ~r.done_B.all()
 
     def body(r: Rollout) -> Rollout:
-        out_BN = r.out_BN.at[:, r.step].set(r.next_B)
-        done_B = r.done_B | (r.next_B == stop)
+        column_B = jnp.where(r.done_B, N, r.written_B)  # past the end: dropped
+        out_BN = r.out_BN.at[jnp.arange(B), column_B].set(r.next_B, mode="drop")
+        written_B = r.written_B + ~r.done_B
+        done_B = r.done_B | (r.next_B == stop) | (written_B >= N)
         logits_BV, cache = model.apply(params, r.next_B[:, None], jnp.ones((B, 1), bool), r.cache,
                                        method=GPT.extend)
-        next_B = jnp.where(done_B, stop, pick_token(logits_BV, r.step + 1, keys_B, temperature, top_p))
-        return Rollout(r.step + 1, next_B, cache, out_BN, done_B, r.finite_B & (done_B | finite_rows(logits_BV)))
+        next_B = jnp.where(done_B, stop, pick_token(logits_BV, written_B, keys_B, temperature, top_p))
+        finite_B = r.finite_B & (done_B | finite_rows(logits_BV))
+        return Rollout(r.step + 1, next_B, cache, out_BN, done_B, finite_B, written_B)
 
     return jax.lax.while_loop(cond, body, rollout)
+
+
+def refill_rollout(model: GPT, params: Any, rollout: Rollout, row: jax.Array, prompt_1P: jax.Array,
+                   mask_1P: jax.Array, eos_id: Optional[int] = None, temperature: float = 0.0, top_p: float = 1.0,
+                   key_1: Optional[jax.Array] = None) -> Rollout:
+    """Row `row` of a running rollout, done, takes a new left-padded prompt [1, P] (after
+    the cache's prefix, if it has one) and decodes it with the other rows from the next
+    step on (continuous batching): its prefill runs alone, and its keys and values go into
+    the P slots before the cache's next one, where the row's old tokens were.
+
+    The cache is a ring: a row writes its N new tokens from there on, past the last slot
+    round to the first, into slots only its own earlier tokens held. With P + N slots (as
+    start_rollout made them for prompts of P tokens) the row's prompt and new tokens fill
+    them exactly; attention reads the slots after the next one as older (GPT.decode)."""
+    cache, (_, P) = rollout.cache, prompt_1P.shape
+    S = cache.valid_BS.shape[1]
+    alone = model.init_cache(1, P)._replace(prefix_keys=cache.prefix_keys, prefix_values=cache.prefix_values)
+    logits_1V, alone = model.apply(params, prompt_1P, mask_1P, alone, not cache.prefix_keys, method=GPT.extend)
+    slots_P = (cache.slot - P + jnp.arange(P)) % S
+    # x[row, :, slots_P] is [P, K, E]: the indexed axes come first, as in numpy
+    put = lambda x_BKSE, new_1KPE: x_BKSE.at[row, :, slots_P].set(new_1KPE[0].swapaxes(0, 1).astype(x_BKSE.dtype))
+    cache = cache._replace(keys=tuple(map(put, cache.keys, alone.keys)),
+                           values=tuple(map(put, cache.values, alone.values)),
+                           valid_BS=cache.valid_BS.at[row].set(False).at[row, slots_P].set(mask_1P[0]))
+    first, done = pick_token(logits_1V, 0, key_1, temperature, top_p)[0], ~mask_1P[0].any()
+    return rollout._replace(next_B=rollout.next_B.at[row].set(first), cache=cache,
+                            out_BN=rollout.out_BN.at[row].set(0 if eos_id is None else eos_id),
+                            done_B=rollout.done_B.at[row].set(done),
+                            finite_B=rollout.finite_B.at[row].set(done | finite_rows(logits_1V)[0]),
+                            written_B=rollout.written_B.at[row].set(0))
 
 
 def generate(model: GPT, params: Any, prompt_BP: jax.Array, mask_BP: jax.Array, max_new_tokens: int,
@@ -1161,8 +1202,8 @@ def generate(model: GPT, params: Any, prompt_BP: jax.Array, mask_BP: jax.Array, 
     (start_rollout), then one token per step until max_new_tokens or until every row has
     produced eos_id (continue_rollout). keys_B (one PRNG key per sample) makes sampling
     independent of batching. Returns the new tokens [B, N]; after a row's eos_id the rest
-    of the row repeats eos_id. (inference.py runs the same two parts in segments, to stop
-    at stop strings too.)"""
+    of the row repeats eos_id. (inference.py runs the same parts in segments, to stop at
+    stop strings too, and refills rows that are done: refill_rollout.)"""
     rollout = start_rollout(model, params, prompt_BP, mask_BP, max_new_tokens, eos_id, temperature, top_p, keys_B)
     return continue_rollout(model, params, rollout, max_new_tokens, eos_id, temperature, top_p, keys_B).out_BN
 

@@ -316,6 +316,7 @@ def scored_slots(packs: List[Pack], shares: int, per_share: int, length: int,
 # price of a prefill into the middle of a running cache and a schedule of its own.
 
 SEGMENT_STEPS = 8
+REFILL = True  # a row that is done takes the next waiting prompt (continuous batching); False: a batch at a time
 # A batch's prompts that begin alike (a task's fixed few-shot examples, such as gsm8k-cot's
 # 8) are prefilled from one row of that beginning (InferenceJob.shared_prefix)
 SHARED_PREFIX_STEP = 64
@@ -667,11 +668,13 @@ class InferenceJob:
         shared = dict(prefix_keys=cache.prefix_keys, prefix_values=cache.prefix_values)
         return rollout._replace(cache=rollout.cache._replace(**shared)), ids_B
 
-    def _generator(self, n_new: int, temperature: float, top_p: float) -> Tuple[Callable, Callable]:
-        """(start, advance), jitted once per decoding setting: start prefills a batch
+    def _generator(self, n_new: int, temperature: float, top_p: float) -> Tuple[Callable, Callable, Callable]:
+        """(start, advance, refill), jitted once per decoding setting: start prefills a batch
         [batch, prompt_len] (gpt.start_rollout); advance marks the rows the host found done
         and decodes up to SEGMENT_STEPS more tokens (gpt.continue_rollout), its rollout
-        donated so the cache is updated in place, and returns the tokens so far, replicated."""
+        donated so the cache is updated in place, and returns the tokens so far and each
+        row's count of them, replicated; refill gives a done row a new prompt
+        (gpt.refill_rollout), the rollout donated too."""
         key = (n_new, temperature, top_p)
         if key not in self._generators:
             eos = self.tokenizer.eos_token_id
@@ -685,11 +688,16 @@ class InferenceJob:
                 rollout = rollout._replace(done_B=rollout.done_B | stopped_B)
                 rollout = gpt.continue_rollout(self.model, variables, rollout, SEGMENT_STEPS, eos, temperature,
                                                top_p, keys(ids_B, seed))
-                return rollout, rollout.out_BN, rollout.step, rollout.finite_B
+                return rollout, rollout.out_BN, rollout.written_B, rollout.finite_B
+
+            def refill(variables, rollout, row, prompt_1P, mask_1P, id_1, seed):
+                return gpt.refill_rollout(self.model, variables, rollout, row, prompt_1P, mask_1P, eos, temperature,
+                                          top_p, keys(id_1, seed))
 
             replicated = (self.replicated,) * 3
             self._generators[key] = (jax.jit(start), jax.jit(advance, donate_argnums=1,
-                                                             out_shardings=(None, *replicated)))
+                                                             out_shardings=(None, *replicated)),
+                                     jax.jit(refill, donate_argnums=1))
         return self._generators[key]
 
     # --- the three request types
@@ -766,43 +774,93 @@ class InferenceJob:
         if room < 1:
             raise RequestError(f"--max-new-tokens {n_new} leaves no room in the context of {self.max_len}")
         seed = self.seed if seed is None else seed
+        requests = iter(requests)
+        while window := list(itertools.islice(requests, self.batch_size * SORT_WINDOW)):
+            order = sorted(range(len(window)), key=lambda i: -min(len(window[i].prompt), room))  # longest first
+            queue = [window[i] for i in order]
+            per_rollout = len(queue) if REFILL else self.batch_size
+            results: List[Any] = [None] * len(window)
+            for at in range(0, len(queue), per_rollout):
+                generations = self.decode_queue(queue[at:at + per_rollout], room, n_new, (temperature, top_p, seed),
+                                                keep_rows)
+                for i, generation in zip(order[at:at + per_rollout], generations):
+                    results[i] = generation
+            yield from zip(window, results)
 
-        def run_block(block: List[GenerationRequest], chunks: int, rows: int, length: int) -> List[Generation]:
-            self.check_memory(rows, length + n_new, 1, length)  # after a shared prefix, over the cache whole
-            return self.generate_batch(block, rows, length, room, n_new, (temperature, top_p, seed), keep_rows)
-
-        # a block is one batch: each batch keeps its cache on the device across its segments
-        return self.in_blocks(requests, lambda r: (min(len(r.prompt), room),), lambda r: [r.doc], room, run_block,
-                              most_chunks=1)
-
-    def generate_batch(self, batch: List[GenerationRequest], rows: int, length: int, room: int, n_new: int,
-                       sampling: Tuple[float, float, int], keep_rows: bool) -> List[Generation]:
-        """One batch of prompts [rows, length] decoded until every row is done (EOS, a stop
-        string, n_new tokens): the prefill (the prompts' shared beginning once, then the rest
-        of each), then segments, the host checking between them."""
+    def decode_queue(self, queue: List[GenerationRequest], room: int, n_new: int, sampling: Tuple[float, float, int],
+                     keep_rows: bool) -> List[Generation]:
+        """Requests, longest prompt first, decoded in one rollout of at most batch_size rows,
+        each until EOS, a stop string or n_new tokens. The first rows are prefilled together
+        (the prompts' shared beginning once, then the rest of each); between segments of
+        SEGMENT_STEPS steps the host checks each row's new tokens, a row that is done takes
+        the next waiting prompt (gpt.refill_rollout: continuous batching), and once none
+        waits the rows still running move into a smaller rollout (compact). The texts are
+        those of a batch at a time: a row's tokens depend on its own prompt only."""
         temperature, top_p, seed = sampling
-        start, advance = self._generator(n_new, temperature, top_p)
-        prompts = [r.prompt[-room:] for r in batch]
+        start, advance, refill = self._generator(n_new, temperature, top_p)
+        prompts = [r.prompt[-room:] for r in queue]
         prefix = [] if keep_rows else self.shared_prefix(prompts)  # kept rows are whole prompts
-        tokens, mask = self.pad([p[len(prefix):] for p in prompts], length - len(prefix), rows, left=True)
-        ids = np.zeros(rows, np.int32)
-        ids[:len(batch)] = [r.doc for r in batch]
-        ids_B = self.put(ids, batch_axis=0)
-        prefix_1Q = self.put_whole(np.array([prefix], np.int32)) if prefix else None
+        length = padded_length(len(prompts[0]), room)  # the longest prompt's: every later one fits its slots
+        rows = min(self.batch_size, -(-len(queue) // self.dp) * self.dp)
+        self.check_memory(rows, length + n_new, 1, length)  # after a shared prefix, over the cache whole
+        tokens, mask = self.pad([p[len(prefix):] for p in prompts], length - len(prefix), max(rows, len(queue)), True)
+        owner = np.where(np.arange(rows) < len(queue), np.arange(rows), -1)  # each row's request; -1: none
+        ids = np.array([queue[i].doc if i >= 0 else 0 for i in owner], np.int32)
+        ids_B, prefix_1Q = self.put(ids, 0), self.put_whole(np.array([prefix], np.int32)) if prefix else None
         with jax.set_mesh(self.mesh):  # traced under the mesh: the prefill's attention reads it (gpt.rows_at_a_time)
-            rollout = start(self.variables, self.put(tokens, 0), self.put(mask, 0), ids_B, seed, prefix_1Q)
-        new_BN, ends, steps, row_steps = self.decode_segments(advance, rollout, batch, rows, ids_B, seed, n_new)
+            rollout = start(self.variables, self.put(tokens[:rows], 0), self.put(mask[:rows], 0), ids_B, seed,
+                            prefix_1Q)
+        self.blocks_run.append((int(mask[:rows].sum()) + len(prefix), 1, rows, length))
+        self.advance(0, int(mask[:rows].sum()) + len(prefix))
+        news: List[List[int]] = [[] for _ in queue]
+        ends: List[Optional[int]] = [None] * len(queue)
+        began, checked = np.zeros(len(queue), int), np.ones(len(queue), int)  # a request's first step; tokens known
+        waiting, step, row_steps, eos = min(rows, len(queue)), 0, 0, self.tokenizer.eos_token_id
+        while (owner >= 0).any():
+            if waiting == len(queue):
+                rollout, ids_B, owner = self.compact(rollout, ids_B, owner)
+            live, before = int((owner >= 0).sum()), step
+            rollout, out_RN, written_R, finite_R = advance(self.variables, rollout, self.put(owner < 0, 0), ids_B,
+                                                          seed)
+            step = int(rollout.step)
+            out, written, finite = np.asarray(out_RN), np.asarray(written_R), np.asarray(finite_R)
+            row_steps += len(owner) * (step - before)
+            self.advance(0, live * (step - before))  # the new tokens, for tokens/s
+            for row in np.flatnonzero(owner >= 0):
+                i = owner[row]
+                if not finite[row]:  # the tokens after NaN logits are an argmax over NaN
+                    raise RequestError(f"non-finite logits while generating for document {queue[i].doc} (broken "
+                                       f"weights, or activations beyond {jnp.dtype(self.model.adtype).name}?)")
+                new = out[row, :written[row]].tolist()
+                ends[i] = steps_to_end(new, eos, queue[i].until, self.tokenizer.decode, checked[i])
+                checked[i] = len(new) + 1
+                if ends[i] is None and len(new) < n_new:
+                    continue
+                news[i], owner[row] = new, -1
+                self.advance(1, 0)
+                if waiting < len(queue):  # the row takes the next prompt, decoded from the next step on
+                    doc = queue[waiting].doc
+                    rollout = refill(self.variables, rollout, self.put_whole(np.array(row, np.int32)),
+                                     self.put_whole(tokens[waiting:waiting + 1]),
+                                     self.put_whole(mask[waiting:waiting + 1]),
+                                     self.put_whole(np.array([doc], np.int32)), seed)
+                    owner[row], ids[row], began[waiting] = waiting, doc, step
+                    self.blocks_run.append((int(mask[waiting].sum()), 1, 1, length))
+                    self.advance(0, int(mask[waiting].sum()))
+                    waiting += 1
+                    ids_B = self.put(ids, 0)
         own = length - len(prefix)  # each row's prompt slots after the shared prefix
-        self.rollouts_run.append(DecodeRun(rows, steps, max(e or n_new for e in ends), len(prefix) + rows * own,
-                                           row_steps, len(prefix) + rows * (own + n_new)))
-        return [self.generation(r, new_BN[i].tolist(), ends[i], len(r.prompt) > room,
-                                (tokens[i], mask[i]) if keep_rows else None) for i, r in enumerate(batch)]
+        self.rollouts_run.append(DecodeRun(rows, step, max(b + (e or n_new) for b, e in zip(began, ends)),
+                                           len(prefix) + len(queue) * own, row_steps,
+                                           len(prefix) + rows * (own + n_new)))
+        return [self.generation(r, news[i], ends[i], len(r.prompt) > room, (tokens[i], mask[i]) if keep_rows else None)
+                for i, r in enumerate(queue)]
 
     def shared_prefix(self, prompts: List[List[int]]) -> List[int]:
-        """The first tokens all prompts of a batch have in common (the few-shot examples of a
-        task), in multiples of SHARED_PREFIX_STEP tokens (so batches share one shape), each
-        prompt keeping a token of its own: start_rollout computes them once, not per row.
-        Empty with a sliding window, which counts slots."""
+        """The first tokens all prompts of a rollout have in common (the few-shot examples of a
+        task), in multiples of SHARED_PREFIX_STEP tokens (so rollouts share one shape), each
+        prompt keeping a token of its own: start_rollout computes them once, not per row, and
+        the cache holds them once. Empty with a sliding window, which counts slots."""
         if self.model.sliding_window is not None or len(prompts) < 2:
             return []
         common = min(len(p) for p in prompts) - 1
@@ -810,38 +868,7 @@ class InferenceJob:
             common = min(common, common_length(prompts[0], p))
         return prompts[0][:common // SHARED_PREFIX_STEP * SHARED_PREFIX_STEP]
 
-    def decode_segments(self, advance: Callable, rollout: Any, batch: List[GenerationRequest], rows: int,
-                        ids_B: jax.Array, seed: int, n_new: int) -> Tuple[np.ndarray, List[Optional[int]], int, int]:
-        """Segments of SEGMENT_STEPS tokens until every row is done: the new tokens [rows,
-        n_new], each row's end (None: it ran to n_new), the steps run and the row-steps (rows
-        times steps, summed over segments). Between segments the rows still running move into
-        a smaller rollout once they fit in a quarter as many rows (compact): done rows cost
-        little further, and the tail of a batch, its last long answers, runs on few rows."""
-        new_BN, ends = np.zeros((rows, n_new), np.int32), [None] * len(batch)
-        stopped, step, row_steps, eos = np.arange(rows) >= len(batch), 0, 0, self.tokenizer.eos_token_id
-        held = np.arange(rows)  # the batch row each row of the rollout holds
-        while not stopped.all() and step < n_new:
-            rollout, ids_B, held = self.compact(rollout, ids_B, held, stopped)
-            live = int((~stopped).sum())
-            rollout, held_RN, new_step, finite_R = advance(self.variables, rollout, self.put(stopped[held], 0),
-                                                          ids_B, seed)
-            first, step = step + 1, int(new_step)
-            new_BN[held], finite = np.asarray(held_RN), np.asarray(finite_R)
-            row_steps += len(held) * (step - first + 1)
-            if not finite.all():  # the tokens after NaN logits are an argmax over NaN
-                doc, dtype = batch[held[int(np.argmin(finite))]].doc, jnp.dtype(self.model.adtype).name
-                raise RequestError(f"non-finite logits while generating for document {doc} "
-                                   f"(broken weights, or activations beyond {dtype}?)")
-            for i in held[held < len(batch)]:
-                if ends[i] is None:
-                    ends[i] = steps_to_end(new_BN[i, :step].tolist(), eos, batch[i].until, self.tokenizer.decode,
-                                           first)
-                    stopped[i] = ends[i] is not None
-            self.advance(0, live * (step - first + 1))  # the new tokens, for tokens/s
-        return new_BN, ends, step, row_steps
-
-    def compact(self, rollout: Any, ids_B: jax.Array, held: np.ndarray,
-                stopped: np.ndarray) -> Tuple[Any, jax.Array, np.ndarray]:
+    def compact(self, rollout: Any, ids_B: jax.Array, owner: np.ndarray) -> Tuple[Any, jax.Array, np.ndarray]:
         """The rollout's rows still running, and enough done ones to fill the next power of
         two of rows (a multiple of the data-parallel size), once that is at most a quarter of
         the rows it has; else the rollout as it is. Each row count compiles the decoding
@@ -849,13 +876,13 @@ class InferenceJob:
         through 8 and 2. Measured on bench.py's gsm8k-style answers, two 16-row batches, a 117M
         Llama on 2 cores: 51.2 s of decoding without dropping rows, 38.9 s halving (five
         shapes), 37.7 s by quarters (three)."""
-        running = np.flatnonzero(~stopped[held])
+        running = np.flatnonzero(owner >= 0)
         rows = -(-(1 << max(len(running) - 1, 0).bit_length()) // self.dp) * self.dp
-        if 4 * rows > len(held):
-            return rollout, ids_B, held
-        keep = np.sort(np.concatenate([running, np.flatnonzero(stopped[held])])[:rows])
+        if 4 * rows > len(owner):
+            return rollout, ids_B, owner
+        keep = np.sort(np.concatenate([running, np.flatnonzero(owner < 0)])[:rows])
         rollout, ids_B = self._take_rows(rollout, ids_B, self.put_whole(keep.astype(np.int32)))
-        return rollout, ids_B, held[keep]
+        return rollout, ids_B, owner[keep]
 
     def generation(self, r: GenerationRequest, new: List[int], end: Optional[int], truncated: bool,
                    row: Any) -> Generation:

@@ -896,27 +896,62 @@ def stop_in(text, tokenizer):
 
 
 @pytest.mark.parametrize("tokenizer", [jobs.ByteTokenizer(), Triples()], ids=["across tokens", "inside a token"])
-def test_stop_strings_end_decoding_early_with_the_same_texts(small, tokenizer):
+def test_stop_strings_end_decoding_early_with_the_same_texts(small, tokenizer, monkeypatch):
     """Decoding stops once every row of a batch holds a stop string (checked between
     segments of SEGMENT_STEPS steps): the texts are those of decoding to the end and cut,
     each row's tokens end with the one that completed its stop, and a batch runs fewer
-    than SEGMENT_STEPS steps past the last of its rows' ends."""
+    than SEGMENT_STEPS steps past the last of its rows' ends. With rows refilled from the
+    waiting prompts (REFILL, the default) the same texts come from one rollout, in fewer
+    steps than a batch at a time."""
     model, host = small
     job = inference.InferenceJob(model, gpt.place_params(model, mesh_of(), host), tokenizer, mesh_of(), batch_size=4,
                                  quiet=True)
     prompts, N = [list(p) for p in (b"the cat", b"hello", b"12+3", b"ab", b"x", b"q")], 32  # batches 0-3, 4-5
     full = [g for _, g in job.generate_until([inference.GenerationRequest(i, p, ()) for i, p in enumerate(prompts)], N)]
     stops = [stop_in(g.text, tokenizer) for g in full]
-    job.rollouts_run.clear()
-    cut = [g for _, g in job.generate_until([inference.GenerationRequest(i, p, (s,)) for i, (p, s) in
-                                             enumerate(zip(prompts, stops))], N)]
     ends = [next(k for k in range(1, N + 1) if s in tokenizer.decode(g.tokens[:k])) for g, s in zip(full, stops)]
-    assert [g.text for g in cut] == [inference.cut_at_stop(g.text, [s]) for g, s in zip(full, stops)]
-    assert [g.tokens for g in cut] == [g.tokens[:k] for g, k in zip(full, ends)]
+    runs = {}
+    for refill in (False, True):
+        monkeypatch.setattr(inference, "REFILL", refill)
+        job.rollouts_run.clear()
+        cut = [g for _, g in job.generate_until([inference.GenerationRequest(i, p, (s,)) for i, (p, s) in
+                                                 enumerate(zip(prompts, stops))], N)]
+        assert [g.text for g in cut] == [inference.cut_at_stop(g.text, [s]) for g, s in zip(full, stops)]
+        assert [g.tokens for g in cut] == [g.tokens[:k] for g, k in zip(full, ends)]
+        assert all(0 <= r.steps - r.needed < inference.SEGMENT_STEPS for r in job.rollouts_run)
+        runs[refill] = list(job.rollouts_run)
     needed = [max(ends[:4]), max(ends[4:])]
-    assert [(r.rows, r.needed) for r in job.rollouts_run] == [(4, needed[0]), (2, needed[1])]
-    assert all(0 <= r.steps - r.needed < inference.SEGMENT_STEPS for r in job.rollouts_run)
-    assert sum(r.steps for r in job.rollouts_run) < 2 * N - inference.SEGMENT_STEPS
+    assert [(r.rows, r.needed) for r in runs[False]] == [(4, needed[0]), (2, needed[1])]
+    (refilled,) = runs[True]  # prompts 4 and 5 go into rows that ended, from the segment after
+    assert refilled.rows == 4 and refilled.steps <= sum(r.steps for r in runs[False]) < 2 * N - inference.SEGMENT_STEPS
+
+
+@pytest.mark.parametrize("batch,shard", [(1, 1), (4, 2)])
+def test_done_rows_take_waiting_prompts(small, batch, shard, monkeypatch):
+    """Continuous batching: a row that is done takes the next waiting prompt between
+    segments (REFILL), its prompt written into the ring of cache slots its old tokens held:
+    the same texts and tokens as a batch at a time, greedy and sampled, on one device and
+    on a 4x2 mesh, in one rollout of fewer steps (counted)."""
+    model, host = small
+    mesh = gpt.make_mesh(batch, shard, devices=jax.devices()[:batch * shard])
+    job = inference.InferenceJob(model, gpt.place_params(model, mesh, host), jobs.ByteTokenizer(), mesh,
+                                 batch_size=4, quiet=True)
+    prompts, N = [list(f"{i} + {i * 7} = ".encode()[:4 + i % 5]) for i in range(12)], 24
+    full = [g.text for _, g in job.generate_until([inference.GenerationRequest(i, p, ()) for i, p in
+                                                   enumerate(prompts)], N)]
+    # rows end at varied lengths: each at a character of its own text, 1 to 21 characters in
+    requests = [inference.GenerationRequest(i, p, (t[1 + 5 * i % 21:2 + 5 * i % 21] or "?",))
+                for i, (p, t) in enumerate(zip(prompts, full))]
+    runs = {}
+    for refill in (False, True):
+        monkeypatch.setattr(inference, "REFILL", refill)
+        job.rollouts_run.clear()
+        greedy = [(g.text, g.tokens) for _, g in job.generate_until(requests, N)]
+        sampled = [(g.text, g.tokens) for _, g in job.generate_until(requests, N, temperature=0.8, seed=5)]
+        runs[refill] = (greedy, sampled, list(job.rollouts_run))
+    assert runs[True][:2] == runs[False][:2] and len({t for t, _ in runs[True][0]}) > 6
+    batches, (greedy_run, _) = runs[False][2], runs[True][2]
+    assert len(batches) == 6 and greedy_run.rows == 4 and greedy_run.steps < sum(r.steps for r in batches[:3])
 
 
 @pytest.mark.parametrize("batch,shard", [(1, 1), (4, 2)])
@@ -939,8 +974,7 @@ def test_done_rows_are_dropped_between_segments(small, batch, shard, monkeypatch
     dropped_sampled = sampled()
     job.rollouts_run.clear()
     dropped = [g for _, g in job.generate_until(requests, N)]
-    monkeypatch.setattr(inference.InferenceJob, "compact", lambda self, rollout, ids_B, held, stopped:
-                        (rollout, ids_B, held))
+    monkeypatch.setattr(inference.InferenceJob, "compact", lambda self, rollout, ids_B, owner: (rollout, ids_B, owner))
     kept = [g for _, g in job.generate_until(requests, N)]
     assert [(g.text, g.tokens) for g in dropped] == [(g.text, g.tokens) for g in kept]
     assert sampled() == dropped_sampled  # each row's sampling keys go with it
@@ -973,9 +1007,9 @@ def test_generation_computes_a_shared_prompt_prefix_once(small, batch, shard, mo
     monkeypatch.setattr(inference, "SHARED_PREFIX_STEP", 1000)  # no prefix is that long: every prompt whole
     whole = [g.tokens for _, g in job.generate_until(requests, 12)]
     assert shared == whole and all(len(t) == 12 for t in shared)
-    (run, _, alone, _) = job.rollouts_run
-    length = alone.prefill // run.rows  # the first batch's padded prompt length
-    assert run.prefill == 24 + run.rows * (length - 24) < alone.prefill
+    (run, alone) = job.rollouts_run  # one rollout each: prompts 4 and 5 take rows that are done
+    length = alone.prefill // len(prompts)  # the padded prompt length
+    assert run.prefill == 24 + len(prompts) * (length - 24) < alone.prefill
     assert run.cache_slots == 24 + run.rows * (length - 24 + 12) < alone.cache_slots == run.rows * (length + 12)
     # every row but the first ends at its text's second character: one batch of 16 rows moves
     # to a quarter (compact) or fewer
