@@ -850,7 +850,7 @@ class InferenceJob:
                     waiting += 1
                     ids_B = self.put(ids, 0)
         own = length - len(prefix)  # each row's prompt slots after the shared prefix
-        self.rollouts_run.append(DecodeRun(rows, step, max(b + (e or n_new) for b, e in zip(began, ends)),
+        self.rollouts_run.append(DecodeRun(rows, step, max(int(b) + (e or n_new) for b, e in zip(began, ends)),
                                            len(prefix) + len(queue) * own, row_steps,
                                            len(prefix) + rows * (own + n_new)))
         return [self.generation(r, news[i], ends[i], len(r.prompt) > room, (tokens[i], mask[i]) if keep_rows else None)

@@ -2699,14 +2699,24 @@ def test_bench_limits_mode():
 
 @needs_lm_eval
 def test_bench_shapes_beside_lm_evals_hf_model(tmp_path):
-    """--shapes, its MMLU-style workload: lm-eval's mmlu template through our command line
-    and through lm-eval's HF model (bench asserts that the log-likelihoods agree), the same
-    answers and scores, for at most 60% of the tokens per request (the 5-shot prompts share
-    their prefix: 50% here, 41% with 40 questions). The other workloads differ only in their tasks' YAML."""
-    r = bench("--shapes", "--workloads", "mmlu", "--vocab", "2000", "--mlp-hidden", "128", "--kv-heads", "2",
-              "--mmlu-questions", "6", "--workdir", tmp_path)["shapes"]["workloads"]["mmlu"]
+    """--shapes, its MMLU-style and gsm8k-CoT-style workloads: lm-eval's templates through
+    our command line and through lm-eval's HF model (bench asserts that the log-likelihoods
+    agree), the same answers, texts and scores, for at most 60% of the tokens per request on
+    MMLU-style (the 5-shot prompts share their prefix: 50% here, 41% with 40 questions) and
+    less than half on gsm8k-CoT-style (its 8 examples once), in no more decoding steps. The
+    other workloads differ only in their tasks' YAML."""
+    # std 0.1: at the default 0.2 this 12-layer model's greedy texts turn on float rounding
+    # (the same code gives other texts with its sums in another order)
+    runs = bench("--shapes", "--workloads", "mmlu,gsm8k_cot", "--vocab", "2000", "--mlp-hidden", "128", "--kv-heads",
+                 "2", "--mmlu-questions", "6", "--gsm8k-questions", "6", "--max-gen-toks", "24", "--batch", "4",
+                 "--context", "2048", "--init-std", "0.1", "--workdir", tmp_path)["shapes"]["workloads"]
+    r = runs["mmlu"]
     assert r["identical"] == r["compared"] == 48 and r["scores_rel"] < 1e-4 and r["requests"] == 24
     assert r["our_tokens_per_request"] < 0.6 * r["hf_tokens_per_request"]
+    r = runs["gsm8k_cot"]  # generation: the same texts, the examples computed once, rows refilled
+    assert r["identical"] == r["compared"] and r["requests"] == 6 and r["scores_rel"] < 1e-4
+    assert r["our_tokens_per_request"] < 0.5 * r["hf_tokens_per_request"]
+    assert 0 <= r["our_steps"] - r["needed_steps"] < 8 and r["our_steps"] <= r["hf_steps"]
 
 
 # ---- reliability: bad input, interruption, the same answer everywhere
