@@ -834,7 +834,7 @@ class InferenceJob:
                 new = out[row, :written[row]].tolist()
                 ends[i] = steps_to_end(new, eos, queue[i].until, self.tokenizer.decode, checked[i])
                 checked[i] = len(new) + 1
-                if ends[i] is None and len(new) < n_new:
+                if ends[i] is None and len(new) < n_new and mask[i].any():  # an empty prompt is done at once
                     continue
                 news[i], owner[row] = new, -1
                 self.advance(1, 0)
@@ -850,7 +850,8 @@ class InferenceJob:
                     waiting += 1
                     ids_B = self.put(ids, 0)
         own = length - len(prefix)  # each row's prompt slots after the shared prefix
-        self.rollouts_run.append(DecodeRun(rows, step, max(int(b) + (e or n_new) for b, e in zip(began, ends)),
+        self.rollouts_run.append(DecodeRun(rows, step, max(int(b) + (n_new if e is None else e)
+                                                           for b, e in zip(began, ends)),
                                            len(prefix) + len(queue) * own, row_steps,
                                            len(prefix) + rows * (own + n_new)))
         return [self.generation(r, news[i], ends[i], len(r.prompt) > room, (tokens[i], mask[i]) if keep_rows else None)

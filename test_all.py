@@ -954,6 +954,17 @@ def test_done_rows_take_waiting_prompts(small, batch, shard, monkeypatch):
     assert len(batches) == 6 and greedy_run.rows == 4 and greedy_run.steps < sum(r.steps for r in batches[:3])
 
 
+def test_an_empty_prompt_generates_nothing(small):
+    """A request without a single prompt token is done at once, with no tokens, beside the
+    others: its row never waits for tokens that will not come."""
+    model, host = small
+    job = inference.InferenceJob(model, gpt.place_params(model, mesh_of(), host), jobs.ByteTokenizer(), mesh_of(),
+                                 batch_size=2, quiet=True)
+    got = [g for _, g in job.generate_until([inference.GenerationRequest(i, p, ()) for i, p in
+                                             enumerate([[], list(b"ab"), [], []])], 6)]
+    assert [(g.text, g.tokens) for g in got[::2]] == [("", [])] * 2 and len(got[1].tokens) == 6
+
+
 @pytest.mark.parametrize("batch,shard", [(1, 1), (4, 2)])
 def test_done_rows_are_dropped_between_segments(small, batch, shard, monkeypatch):
     """Once a batch's running rows fit in a quarter of its rows, they go on in a smaller
