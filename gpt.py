@@ -847,12 +847,13 @@ class GPT(Module):
         padding cannot change real positions. Without one, every row is a sequence from
         position 0 (right padding, if any, is never seen by the real tokens before it). With
         a cache (see init_cache), the T new tokens go into slots cache.slot .. +T and attend
-        to the cache's prefix, if it has one, and every earlier valid slot. On local layers a sliding window counts slots (token
-        indices, as transformers counts them): with left padding only, a row's real tokens
-        sit in consecutive slots, so it is the window of positions too. fresh: the cache is
-        empty (a prefill from slot 0), so the new tokens attend among themselves without a
-        cache (attend_causal: in query blocks, over the keys up to each block's end), not
-        over all S slots, most of them empty.
+        to the cache's prefix, if it has one, and every earlier valid slot. On local layers
+        a sliding window counts slots (token indices, as transformers counts them): with
+        left padding only, a row's real tokens sit in consecutive slots, so it is the window
+        of positions too; the slots after the new ones hold older tokens, if any (a ring,
+        see refill_rollout). fresh: the cache is empty (a prefill from slot 0), so the new
+        tokens attend among themselves without a cache (attend_causal: in query blocks, over
+        the keys up to each block's end), not over all S slots, most of them empty.
 
         allowed [B, T, T] (no cache) says outright which keys each query sees: several
         sequences packed into one row, each with its own `positions` (inference.py packs the

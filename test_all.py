@@ -304,6 +304,29 @@ def test_extend_after_a_shared_prefix_equals_full_forward(name):
     assert np.abs(np.stack(got, 1) - full[:, 5 + idx.shape[1] - 1:]).max() <= 1e-5
 
 
+@pytest.mark.parametrize("name", ["llama", "everything"])
+def test_a_refilled_row_decodes_as_its_prompt_alone(name):
+    """gpt.refill_rollout: a row given a new prompt in the middle of a rollout, its keys and
+    values written into the ring of slots its old tokens held (its new tokens going on past
+    the last slot round to the first), decodes the tokens its prompt gives alone
+    (gpt.generate), and the other row goes on unchanged; with EVERYTHING's sliding window
+    (counted across the wrap), soft-caps and q/k norm too."""
+    model = tiny(**CONFIGS[name])
+    variables = init(model)
+    idx, mask = left_pad(ragged_prompts()[:2])
+    new_idx, new_mask = tokens((1, idx.shape[1]), seed=7), np.arange(idx.shape[1])[None] >= 2
+    N = 2 * STEPS
+    alone = lambda x, m: np.asarray(jax.jit(lambda v: gpt.generate(model, v, x, m, N))(variables))
+    rollout = gpt.start_rollout(model, variables, idx, mask, N)
+    rollout = gpt.continue_rollout(model, variables, rollout, 3)
+    rollout = gpt.refill_rollout(model, variables, rollout, jnp.int32(0), new_idx, new_mask)
+    rollout = gpt.continue_rollout(model, variables, rollout, N)
+    out = np.asarray(rollout.out_BN)
+    np.testing.assert_array_equal(out[0], alone(new_idx, new_mask)[0])
+    np.testing.assert_array_equal(out[1], alone(idx, mask)[1])
+    assert int(rollout.step) == 3 + N and int(rollout.cache.slot) == (idx.shape[1] + 3 + N) % (idx.shape[1] + N)
+
+
 def test_sliding_window_matters_only_beyond_it():
     """The window changes nothing in the first W positions and every position after them
     (that the three attention paths apply it alike: the KV-cache tests above and
