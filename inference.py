@@ -14,8 +14,8 @@ loglikelihood_rolling and generate_until, named as lm-evaluation-harness names t
   requests in a row that see the same context share one pass over it;
 - loglikelihood_rolling: a whole document scored token by token in windows of the
   context length (perplexity, next-token accuracy);
-- generate_until: new tokens after a prompt until EOS, a stop string or the limit;
-  a batch stops decoding once each of its rows has reached one of them.
+- generate_until: new tokens after a prompt until EOS, a stop string or the limit; a
+  row that has reached one takes the next waiting prompt (continuous batching).
 Each request carries the index of its document, and results come back in request order.
 """
 from __future__ import annotations
@@ -426,12 +426,14 @@ class InferenceJob:
     are split instead. jax.make_array_from_callback asks each process only for the slices
     its own devices hold, so with several hosts no process uploads the whole block. One
     jitted call scans over the chunks; its outputs are replicated, so every process reads
-    every result. Results come back in the order the requests went in.
+    every result. Results come back in the order the requests went in. Generation runs a
+    window as one rollout of batch_size rows whose done rows take the waiting prompts
+    (decode_queue).
 
     What ran is counted, for benchmarks and tests: blocks_run (real tokens, chunks, rows,
-    length) per block, prompts' blocks included; rollouts_run (rows, decoding steps run,
-    steps its rows needed, token slots its prefill computed, row-steps) per decoded batch
-    (DecodeRun).
+    length) per block, prompts' prefills included; rollouts_run (rows, decoding steps run,
+    steps its rows needed, token slots its prefills computed, row-steps, cache slots a step
+    reads) per rollout (DecodeRun).
     """
 
     def __init__(self, model: gpt.GPT, variables: Any, tokenizer: Tokenizer, mesh: jax.sharding.Mesh,
