@@ -812,8 +812,8 @@ class InferenceJob:
         with jax.set_mesh(self.mesh):  # traced under the mesh: the prefill's attention reads it (gpt.rows_at_a_time)
             rollout = start(self.variables, self.put(tokens[:rows], 0), self.put(mask[:rows], 0), ids_B, seed,
                             prefix_1Q)
-        self.blocks_run.append((int(mask[:rows].sum()) + len(prefix), 1, rows, length))
-        self.advance(0, int(mask[:rows].sum()) + len(prefix))
+        self.blocks_run.append((sum(map(len, prompts[:rows])), 1, rows, length))
+        self.advance(0, sum(map(len, prompts[:rows])))
         news: List[List[int]] = [[] for _ in queue]
         ends: List[Optional[int]] = [None] * len(queue)
         began, checked = np.zeros(len(queue), int), np.ones(len(queue), int)  # a request's first step; tokens known
@@ -841,15 +841,11 @@ class InferenceJob:
                 news[i], owner[row] = new, -1
                 self.advance(1, 0)
                 if waiting < len(queue):  # the row takes the next prompt, decoded from the next step on
-                    doc = queue[waiting].doc
-                    rollout = refill(self.variables, rollout, self.put_whole(np.array(row, np.int32)),
-                                     self.put_whole(tokens[waiting:waiting + 1]),
-                                     self.put_whole(mask[waiting:waiting + 1]),
-                                     self.put_whole(np.array([doc], np.int32)), seed)
-                    owner[row], ids[row], began[waiting] = waiting, doc, step
-                    self.blocks_run.append((int(mask[waiting].sum()), 1, 1, length))
-                    self.advance(0, int(mask[waiting].sum()))
-                    waiting += 1
+                    rollout = self.refill_row(refill, rollout, row, tokens[waiting], mask[waiting],
+                                              queue[waiting].doc, seed)
+                    self.blocks_run.append((len(prompts[waiting]), 1, 1, length))
+                    self.advance(0, len(prompts[waiting]))
+                    owner[row], ids[row], began[waiting], waiting = waiting, queue[waiting].doc, step, waiting + 1
                     ids_B = self.put(ids, 0)
         own = length - len(prefix)  # each row's prompt slots after the shared prefix
         self.rollouts_run.append(DecodeRun(rows, step, max(int(b) + (n_new if e is None else e)
@@ -858,6 +854,14 @@ class InferenceJob:
                                            len(prefix) + rows * (own + n_new)))
         return [self.generation(r, news[i], ends[i], len(r.prompt) > room, (tokens[i], mask[i]) if keep_rows else None)
                 for i, r in enumerate(queue)]
+
+    def refill_row(self, refill: Callable, rollout: Any, row: int, tokens_P: np.ndarray, mask_P: np.ndarray,
+                   doc: int, seed: int) -> Any:
+        """The rollout with this row decoding a new prompt (left-padded tokens and mask, the
+        shared prefix left out) from the next step on: gpt.refill_rollout, its rollout
+        donated; the prompt's sampling key is its document's, as in a batch of its own."""
+        return refill(self.variables, rollout, self.put_whole(np.array(row, np.int32)),
+                      *(self.put_whole(a[None]) for a in (tokens_P, mask_P, np.array(doc, np.int32))), seed)
 
     def shared_prefix(self, prompts: List[List[int]]) -> List[int]:
         """The first tokens all prompts of a rollout have in common (the few-shot examples of a
