@@ -312,8 +312,8 @@ def scored_slots(packs: List[Pack], shares: int, per_share: int, length: int,
 # are done are dropped between segments once the running ones fit in a quarter of the rows
 # (InferenceJob.compact): a step reads every row's KV cache, more bytes than the weights at
 # a few hundred slots, so the tail of a batch (its last long answers) costs a few rows' worth.
-# Refilling done rows with waiting prompts (continuous batching) would save more, at the
-# price of a prefill into the middle of a running cache and a schedule of its own.
+# Before that, while prompts wait, a done row takes the next one (REFILL, continuous
+# batching: InferenceJob.decode_queue, gpt.refill_rollout), so batches' tails overlap.
 
 SEGMENT_STEPS = 8
 REFILL = True  # a row that is done takes the next waiting prompt (continuous batching); False: a batch at a time
@@ -552,10 +552,10 @@ class InferenceJob:
         return batches
 
     def in_blocks(self, items: Iterable[Any], sizes_of: Callable[[Any], Tuple[int, ...]],
-                  docs_of: Callable[[Any], List[int]], cap: int, run_block: Callable[..., List[Any]],
-                  most_chunks: Optional[int] = None) -> Iterator[Tuple[Any, Any]]:
+                  docs_of: Callable[[Any], List[int]], cap: int,
+                  run_block: Callable[..., List[Any]]) -> Iterator[Tuple[Any, Any]]:
         """(item, result) in item order; run_block(items, chunks, rows, *shape) runs one
-        block of at most most_chunks batches (default: chunks). A window of SORT_WINDOW
+        block of at most self.chunks batches. A window of SORT_WINDOW
         blocks' items is sorted by length at a time, so memory does not grow with the
         dataset. A document is reported done (self.report) when its last item has run; one
         that goes on in the next window, when that part has."""
@@ -569,7 +569,7 @@ class InferenceJob:
             order = sorted(range(len(window)), key=lambda i: -sizes_of(window[i])[0])
             results: List[Any] = [None] * len(window)
             sizes = [sizes_of(window[i]) for i in order]
-            for start, chunks, rows, shape in self.schedule(sizes, cap, most_chunks or self.chunks, not following):
+            for start, chunks, rows, shape in self.schedule(sizes, cap, self.chunks, not following):
                 picked = order[start:start + chunks * rows]
                 for i, result in zip(picked, run_block([window[i] for i in picked], chunks, rows, *shape)):
                     results[i] = result
