@@ -350,14 +350,14 @@ def attend_causal(q_BTHE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, allow
     sees keys i - W < j <= i; else allowed_BTS says which keys each query sees (the window
     folded in).
 
-    Three ways to one result:
+    Two ways to one result:
     - cuDNN's fused kernel on a GPU in half precision, plain causal without a soft-cap
       (flash attention: the [T, S] scores are never in memory);
-    - rows of at most QUERY_BLOCK tokens: attend's einsums over the whole square;
-    - longer rows in blocks of QUERY_BLOCK queries (attend_blocks), each seeing only the
-      keys up to its last query: the scores of later keys, all masked, are never computed.
+    - blocks of QUERY_BLOCK queries (attend_blocks; one for a row that short), each seeing
+      only the keys up to its last query: the scores of later keys, all masked, are never
+      computed. On a CPU a few rows at a time (rows_at_a_time).
     """
-    B, T = q_BTHE.shape[:2]
+    B = q_BTHE.shape[0]
     if allowed_BTS is None and softcap is None and uses_cudnn(q_BTHE.dtype):
         local = None if window is None else (window - 1, 0)  # i - left <= j <= i + right
         try:
@@ -366,10 +366,6 @@ def attend_causal(q_BTHE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, allow
         except (RuntimeError, ValueError, NotImplementedError):  # raised while tracing, before any work
             pass
     k_BKSE, v_BKSE = k_BTKE.transpose(0, 2, 1, 3), v_BTKE.transpose(0, 2, 1, 3)
-    if T <= QUERY_BLOCK:
-        if allowed_BTS is None:
-            allowed_BTS = causal_window(0, T, 0, T, window)[None]
-        return attend(q_BTHE, k_BKSE, v_BKSE, allowed_BTS, scale, softcap)
     rows = rows_at_a_time(B)
     if rows == B:
         return attend_blocks(q_BTHE, k_BKSE, v_BKSE, allowed_BTS, scale, softcap, window)
@@ -387,7 +383,8 @@ def rows_at_a_time(B: int) -> int:
     device of the mesh's "batch" axis, so that a block's scores stay in cache. Measured on
     2 cores, 16 rows of 2048 tokens, 9 heads of 64: XLA's whole-square attention 5.2 s,
     query blocks over all rows 1.3 s, query blocks a row at a time 0.55 s (torch's flash
-    kernel: 0.35 s). The mesh is the one traced under (jax.set_mesh; InferenceJob does)."""
+    kernel: 0.35 s); 16 rows of 256 tokens, one layer: 53 ms all rows at once, 23 ms a row
+    at a time. The mesh is the one traced under (jax.set_mesh; InferenceJob does)."""
     if jax.default_backend() != "cpu":
         return B
     mesh = jax.sharding.get_abstract_mesh()
