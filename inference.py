@@ -162,13 +162,15 @@ PACK_EXTRA = 512  # a packed row is at most this many tokens longer than its lon
 
 class Pack(NamedTuple):
     """Requests scored in one row (see pack_requests): the row's tokens, the position of
-    each, its branch (0: the shared prefix; q: the q-th context's own tokens and its
-    continuations') and leaf (0: the context's own tokens; k: its k-th continuation's),
-    and each scored token as (index of the row token that predicts it, target, request)."""
+    each, its segment (0; i: the i-th of several packs that share a row, see fill_rows),
+    branch (0: the shared prefix; q: the q-th context's own tokens and its continuations')
+    and leaf (0: the context's own tokens; k: its k-th continuation's), and each scored
+    token as (index of the row token that predicts it, target, request)."""
 
     requests: List[Request]
     tokens: List[int]
     positions: List[int]
+    segments: List[int]
     branches: List[int]
     leaves: List[int]
     scored: List[Tuple[int, int, int]]
@@ -211,7 +213,7 @@ def make_pack(prefix: List[int], contexts: List[Context]) -> Pack:
             scored += [(where, target, len(requests)) for where, target in zip(predictors, r.continuation)]
             requests.append(r)
             add(tail, start, q, k)
-    return Pack(requests, tokens, positions, branches, leaves, scored)
+    return Pack(requests, tokens, positions, [0] * len(tokens), branches, leaves, scored)
 
 
 def joined(prefix: List[int], contexts: List[Context], seen: List[int], member: Tuple[Request, List[int]],
@@ -267,16 +269,60 @@ def pack_requests(requests: Iterable[Request], max_len: int, share: bool) -> Ite
         yield make_pack(prefix, contexts)
 
 
-def packed_allowed(branches_BT: jax.Array, leaves_BT: jax.Array) -> jax.Array:
+# Packs of a few short requests (hellaswag's question and four endings: 60 to 190 tokens)
+# would leave much of a block's rows padding, its longest row setting their length; so a
+# window of packs (see InferenceJob.in_blocks) first goes into rows of FILL_LENGTH tokens,
+# several packs end to end where they fit, each its own segment that sees nothing of the
+# others (packed_allowed). Rows that short attend in one block of queries either way
+# (gpt.QUERY_BLOCK); longer packs (MMLU's 5-shot questions, a long document's windows)
+# keep a row each.
+
+FILL_LENGTH = 256
+
+
+def fill_rows(lengths: List[int], room: int) -> List[List[int]]:
+    """The indices of packs of these lengths in rows of at most `room` tokens: longest
+    first, each into the first row it fits (first-fit decreasing: at most 11/9 of the
+    fewest rows possible, plus one); a pack longer than `room` alone."""
+    rows: List[List[int]] = []
+    free: List[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        r = next((r for r, f in enumerate(free) if lengths[i] <= f), len(rows))
+        if r == len(rows):
+            rows.append([])
+            free.append(room)
+        rows[r].append(i)
+        free[r] -= lengths[i]
+    return rows
+
+
+def joined_packs(packs: List[Pack]) -> Pack:
+    """Packs end to end as one, the i-th in segment i."""
+    if len(packs) == 1:
+        return packs[0]
+    requests, tokens, positions, segments, branches, leaves, scored = [], [], [], [], [], [], []
+    for segment, p in enumerate(packs):
+        scored += [(where + len(tokens), target, k + len(requests)) for where, target, k in p.scored]
+        requests += p.requests
+        tokens += p.tokens
+        positions += p.positions
+        segments += [segment] * len(p.tokens)
+        branches += p.branches
+        leaves += p.leaves
+    return Pack(requests, tokens, positions, segments, branches, leaves, scored)
+
+
+def packed_allowed(segments_BT: jax.Array, branches_BT: jax.Array, leaves_BT: jax.Array) -> jax.Array:
     """Which keys each query of a packed row sees [B, T, T]: itself and the earlier tokens
-    of the shared prefix (branch 0), of its own context (its branch, leaf 0) and of its own
-    continuation (its branch and leaf); padding (branch -1) none."""
+    of its own segment's shared prefix (branch 0), of its own context (its branch, leaf 0)
+    and of its own continuation (its branch and leaf); padding (branch -1) none."""
     T = branches_BT.shape[1]
     earlier_1TS = jnp.tril(jnp.ones((T, T), bool))[None]
+    same_segment = segments_BT[:, :, None] == segments_BT[:, None, :]
     query_branch, key_branch = branches_BT[:, :, None], branches_BT[:, None, :]
     query_leaf, key_leaf = leaves_BT[:, :, None], leaves_BT[:, None, :]
     own_branch = (key_branch == query_branch) & ((key_leaf == 0) | (key_leaf == query_leaf))
-    return earlier_1TS & (key_branch >= 0) & ((key_branch == 0) | own_branch)
+    return earlier_1TS & same_segment & (key_branch >= 0) & ((key_branch == 0) | own_branch)
 
 
 def scored_slots(packs: List[Pack], shares: int, per_share: int, length: int,
@@ -551,32 +597,38 @@ class InferenceJob:
                 batches[i] = (start, rows, before)
         return batches
 
-    def in_blocks(self, items: Iterable[Any], sizes_of: Callable[[Any], Tuple[int, ...]],
-                  docs_of: Callable[[Any], List[int]], cap: int,
-                  run_block: Callable[..., List[Any]]) -> Iterator[Tuple[Any, Any]]:
-        """(item, result) in item order; run_block(items, chunks, rows, *shape) runs one
-        block of at most self.chunks batches. A window of SORT_WINDOW
-        blocks' items is sorted by length at a time, so memory does not grow with the
-        dataset. A document is reported done (self.report) when its last item has run; one
-        that goes on in the next window, when that part has."""
-        items = iter(items)
-        window = list(itertools.islice(items, self.batch_size * self.chunks * SORT_WINDOW))
+    def in_blocks(self, packs: Iterable[Pack], run_block: Callable[..., List[List[Scored]]],
+                  fill: bool) -> Iterator[Tuple[Pack, List[Scored]]]:
+        """(pack, its requests' Scored) in pack order; run_block(packs, chunks, rows, length,
+        width) runs one block of at most self.chunks batches. A window of SORT_WINDOW
+        blocks' packs is filled into rows (fill_rows; with fill False a row each) and sorted
+        by length at a time, so memory does not grow with the dataset. A document is
+        reported done (self.report) when its last request has run; one that goes on in the
+        next window, when that part has."""
+        packs = iter(packs)
+        size = self.batch_size * self.chunks * SORT_WINDOW
+        window = list(itertools.islice(packs, size))
         while window:
-            following = list(itertools.islice(items, self.batch_size * self.chunks * SORT_WINDOW))
-            left = collections.Counter(doc for item in window for doc in docs_of(item))
+            following = list(itertools.islice(packs, size))
+            left = collections.Counter(r.doc for p in window for r in p.requests)
             if following:
-                left[docs_of(following[0])[0]] += 1  # not done before the next window
-            order = sorted(range(len(window)), key=lambda i: -sizes_of(window[i])[0])
+                left[following[0].requests[0].doc] += 1  # not done before the next window
+            room = min(FILL_LENGTH, self.max_len)
+            rows = fill_rows([len(p.tokens) for p in window], room) if fill else [[i] for i in range(len(window))]
+            joined = [joined_packs([window[i] for i in row]) for row in rows]
+            order = sorted(range(len(rows)), key=lambda r: -len(joined[r].tokens))
             results: List[Any] = [None] * len(window)
-            sizes = [sizes_of(window[i]) for i in order]
-            for start, chunks, rows, shape in self.schedule(sizes, cap, self.chunks, not following):
-                picked = order[start:start + chunks * rows]
-                for i, result in zip(picked, run_block([window[i] for i in picked], chunks, rows, *shape)):
-                    results[i] = result
-                real = sum(sizes_of(window[i])[0] for i in picked)
-                self.blocks_run.append((real, chunks, rows, shape[0]))
-                left.subtract(doc for i in picked for doc in docs_of(window[i]))
-                self.advance(sum(left[doc] == 0 for doc in {d for i in picked for d in docs_of(window[i])}), real)
+            sizes = [(len(joined[r].tokens), len(joined[r].scored)) for r in order]
+            for start, chunks, n, shape in self.schedule(sizes, self.max_len, self.chunks, not following):
+                picked = order[start:start + chunks * n]
+                for r, scored in zip(picked, run_block([joined[r] for r in picked], chunks, n, *shape)):
+                    for i in rows[r]:  # the row's Scored, split back into its packs'
+                        results[i], scored = scored[:len(window[i].requests)], scored[len(window[i].requests):]
+                real = sum(len(joined[r].tokens) for r in picked)
+                self.blocks_run.append((real, chunks, n, shape[0]))
+                docs = [q.doc for r in picked for q in joined[r].requests]
+                left.subtract(docs)
+                self.advance(sum(left[doc] == 0 for doc in set(docs)), real)
             yield from zip(window, results)
             window = following
 
@@ -601,21 +653,21 @@ class InferenceJob:
 
     # --- the jitted kernels
 
-    def hidden(self, variables: Any, tokens_BT: jax.Array, layout: Optional[Tuple[jax.Array, jax.Array]]) -> jax.Array:
+    def hidden(self, variables: Any, tokens_BT: jax.Array, layout: Optional[Tuple[jax.Array, ...]]) -> jax.Array:
         """Final hidden states [B, T, D] of right-padded rows. layout None: each row one
         sequence from position 0, with no padding mask, so attention takes the fused causal
-        path (gpt.attend_causal). layout (positions_BT, branches_BT, leaves_BT): packed rows,
-        attention as packed_allowed says."""
+        path (gpt.attend_causal). layout (positions, segments, branches, leaves, each
+        [B, T]): packed rows, attention as packed_allowed says."""
         if layout is None:
             causal = lambda m, idx: m.decode(m.embed(idx, True), None, True)
             return self.model.apply(variables, tokens_BT, method=causal)
-        positions_BT, branches_BT, leaves_BT = layout
+        positions_BT, segments_BT, branches_BT, leaves_BT = layout
 
         def embed_and_decode(m, idx, pos, allowed):
             return m.decode(m.embed(idx, True, positions=pos), None, True, positions=pos, allowed=allowed)
 
-        return self.model.apply(variables, tokens_BT, positions_BT, packed_allowed(branches_BT, leaves_BT),
-                                method=embed_and_decode)
+        allowed_BTT = packed_allowed(segments_BT, branches_BT, leaves_BT)
+        return self.model.apply(variables, tokens_BT, positions_BT, allowed_BTT, method=embed_and_decode)
 
     def token_scores(self, variables: Any, x_GMD: jax.Array, targets_GM: jax.Array,
                      real: jax.Array) -> Tuple[jax.Array, jax.Array]:
@@ -707,7 +759,9 @@ class InferenceJob:
     def loglikelihood(self, requests: Iterable[Request], keep_rows: bool = False) -> Iterator[Tuple[Request, Scored]]:
         """(request, its Scored) for each request, in order. A request alone runs the last
         max_len + 1 tokens of context + continuation, minus the last one, and its continuation
-        is scored; consecutive requests that see the same context share a row (pack_requests)."""
+        is scored; consecutive requests that see the same context share a row (pack_requests),
+        and short packs fill rows (fill_rows) unless rows are kept (keep_rows), so that a kept
+        row holds its own pack alone."""
         def checked(requests: Iterable[Request]) -> Iterator[Request]:
             for r in requests:
                 if len(r.continuation) > self.max_len:
@@ -716,9 +770,8 @@ class InferenceJob:
                 yield r
 
         packs = pack_requests(checked(requests), self.max_len, self.share_contexts)
-        results = self.in_blocks(packs, lambda p: (len(p.tokens), len(p.scored)),
-                                 lambda p: [r.doc for r in p.requests], self.max_len,
-                                 lambda *block: self.score_packs(*block, keep_rows=keep_rows))
+        results = self.in_blocks(packs, lambda *block: self.score_packs(*block, keep_rows=keep_rows),
+                                 fill=self.share_contexts and not keep_rows)
         for pack, scored in results:
             yield from zip(pack.requests, scored)
 
@@ -748,13 +801,14 @@ class InferenceJob:
                  for _ in p.requests] for i, p in enumerate(packs)]
 
     def packed_layout(self, packs: List[Pack], chunks: int, rows: int, length: int) -> Tuple[jax.Array, ...]:
-        """(positions, branches, leaves) of a block's packed rows [chunks, rows, length] on
-        the mesh; padding is branch -1."""
+        """(positions, segments, branches, leaves) of a block's packed rows [chunks, rows,
+        length] on the mesh; padding is branch -1."""
         n = chunks * rows
         positions, _ = self.pad([p.positions for p in packs], length, n, left=False)
         branches = self.pad([[b + 1 for b in p.branches] for p in packs], length, n, left=False)[0] - 1
+        segments, _ = self.pad([p.segments for p in packs], length, n, left=False)
         leaves, _ = self.pad([p.leaves for p in packs], length, n, left=False)
-        return tuple(self.put(a.reshape(chunks, rows, length)) for a in (positions, branches, leaves))
+        return tuple(self.put(a.reshape(chunks, rows, length)) for a in (positions, segments, branches, leaves))
 
     def loglikelihood_rolling(self, documents: Iterable[List[int]], keep_rows: bool = False) -> Iterator[List[Scored]]:
         """Every token of each document (token ids) scored once in rolling windows, after

@@ -836,6 +836,38 @@ def test_shared_contexts_score_as_alone_with_less_work(small):
     np.testing.assert_allclose([s.logprob for s in shared], [s.logprob for s in alone], rtol=1e-5)
 
 
+def test_short_packs_fill_rows_and_score_as_alone(small, monkeypatch):
+    """Packs of short requests go first-fit, longest first, into rows of FILL_LENGTH
+    tokens, each pack its own segment that sees nothing of the others: every log-likelihood
+    and is_greedy as with a row each (FILL_LENGTH 1), on 1x1 and 4x2, in fewer token slots,
+    with rows that hold several packs."""
+    assert inference.fill_rows([5, 9, 3, 7, 12, 2], 12) == [[4], [1, 2], [3, 0], [5]]
+    assert inference.fill_rows([20, 3], 12) == [[0], [1]]  # longer than a row: alone
+    rng = np.random.default_rng(0)
+    text = lambda lo, hi: "".join(rng.choice(list("abcdefgh "), rng.integers(lo, hi)))
+    contexts = [list(text(4, 24).encode()) for _ in range(24)]
+    choice = lambda context, k: list(text(1, 6).encode()) if k else greedy_by_recompute(*small, context, 2)
+    requests = [inference.Request(doc, context, choice(context, k))
+                for doc, context in enumerate(contexts) for k in range(rng.integers(1, 4))]
+    fill, score_packs, segments = inference.FILL_LENGTH, inference.InferenceJob.score_packs, []
+    monkeypatch.setattr(inference.InferenceJob, "score_packs", lambda self, packs, *a, **k: (
+        segments.append(max(max(p.segments) for p in packs)), score_packs(self, packs, *a, **k))[1])
+
+    def scored(mesh, batch, fill_length):
+        monkeypatch.setattr(inference, "FILL_LENGTH", fill_length)
+        segments.clear()
+        ev = evaluator(small, [], mesh=mesh, batch_size=batch)
+        results = [s for _, s in ev.loglikelihood(requests)]
+        return results, sum(c * b * t for _, c, b, t in ev.blocks_run), max(segments) + 1
+
+    for mesh, batch in [((1, 1), 4), ((4, 2), 8)]:
+        (filled, filled_slots, most), (alone, alone_slots, one) = (scored(mesh, batch, n) for n in (fill, 1))
+        print(f"mesh {mesh}: {filled_slots} token slots, up to {most} packs a row; {alone_slots} a pack a row")
+        np.testing.assert_allclose([s.logprob for s in filled], [s.logprob for s in alone], rtol=1e-5)
+        assert [(s.tokens, s.correct) for s in filled] == [(s.tokens, s.correct) for s in alone]
+        assert 0 < sum(s.correct for s in alone) and filled_slots < 0.85 * alone_slots and most >= 3 and one == 1
+
+
 def test_scoring_unembeds_only_the_pieces_that_hold_scored_tokens(small, monkeypatch):
     """A share's scored slots are unembedded UNEMBED_PIECE at a time up to the last piece
     with a real one: the padding after it is never computed (NaN hidden states there stay
