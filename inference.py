@@ -615,18 +615,18 @@ class InferenceJob:
                 left[following[0].requests[0].doc] += 1  # not done before the next window
             room = min(FILL_LENGTH, self.max_len)
             rows = fill_rows([len(p.tokens) for p in window], room) if fill else [[i] for i in range(len(window))]
-            joined = [joined_packs([window[i] for i in row]) for row in rows]
-            order = sorted(range(len(rows)), key=lambda r: -len(joined[r].tokens))
+            merged = [joined_packs([window[i] for i in row]) for row in rows]
+            order = sorted(range(len(rows)), key=lambda r: -len(merged[r].tokens))
             results: List[Any] = [None] * len(window)
-            sizes = [(len(joined[r].tokens), len(joined[r].scored)) for r in order]
+            sizes = [(len(merged[r].tokens), len(merged[r].scored)) for r in order]
             for start, chunks, n, shape in self.schedule(sizes, self.max_len, self.chunks, not following):
                 picked = order[start:start + chunks * n]
-                for r, scored in zip(picked, run_block([joined[r] for r in picked], chunks, n, *shape)):
+                for r, scored in zip(picked, run_block([merged[r] for r in picked], chunks, n, *shape)):
                     for i in rows[r]:  # the row's Scored, split back into its packs'
                         results[i], scored = scored[:len(window[i].requests)], scored[len(window[i].requests):]
-                real = sum(len(joined[r].tokens) for r in picked)
+                real = sum(len(merged[r].tokens) for r in picked)
                 self.blocks_run.append((real, chunks, n, shape[0]))
-                docs = [q.doc for r in picked for q in joined[r].requests]
+                docs = [q.doc for r in picked for q in merged[r].requests]
                 left.subtract(docs)
                 self.advance(sum(left[doc] == 0 for doc in set(docs)), real)
             yield from zip(window, results)
