@@ -350,14 +350,16 @@ def attend_causal(q_BTHE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, allow
     sees keys i - W < j <= i; else allowed_BTS says which keys each query sees (the window
     folded in).
 
-    Two ways to one result:
+    Three ways to one result:
     - cuDNN's fused kernel on a GPU in half precision, plain causal without a soft-cap
       (flash attention: the [T, S] scores are never in memory);
-    - blocks of QUERY_BLOCK queries (attend_blocks; one for a row that short), each seeing
-      only the keys up to its last query: the scores of later keys, all masked, are never
-      computed. On a CPU a few rows at a time (rows_at_a_time).
+    - rows of at most QUERY_BLOCK // 4 tokens: attend's einsums over every row's whole
+      square at once (on a CPU as quick as a row at a time, and no loop to compile);
+    - longer rows in blocks of QUERY_BLOCK queries (attend_blocks; one for a row that
+      short), each seeing only the keys up to its last query: the scores of later keys, all
+      masked, are never computed. On a CPU a few rows at a time (rows_at_a_time).
     """
-    B = q_BTHE.shape[0]
+    B, T = q_BTHE.shape[:2]
     if allowed_BTS is None and softcap is None and uses_cudnn(q_BTHE.dtype):
         local = None if window is None else (window - 1, 0)  # i - left <= j <= i + right
         try:
@@ -366,6 +368,10 @@ def attend_causal(q_BTHE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, allow
         except (RuntimeError, ValueError, NotImplementedError):  # raised while tracing, before any work
             pass
     k_BKSE, v_BKSE = k_BTKE.transpose(0, 2, 1, 3), v_BTKE.transpose(0, 2, 1, 3)
+    if T <= QUERY_BLOCK // 4:
+        if allowed_BTS is None:
+            allowed_BTS = causal_window(0, T, 0, T, window)[None]
+        return attend(q_BTHE, k_BKSE, v_BKSE, allowed_BTS, scale, softcap)
     rows = rows_at_a_time(B)
     if rows == B:
         return attend_blocks(q_BTHE, k_BKSE, v_BKSE, allowed_BTS, scale, softcap, window)
@@ -384,7 +390,8 @@ def rows_at_a_time(B: int) -> int:
     2 cores, 16 rows of 2048 tokens, 9 heads of 64: XLA's whole-square attention 5.2 s,
     query blocks over all rows 1.3 s, query blocks a row at a time 0.55 s (torch's flash
     kernel: 0.35 s); 16 rows of 256 tokens, one layer: 53 ms all rows at once, 23 ms a row
-    at a time. The mesh is the one traced under (jax.set_mesh; InferenceJob does)."""
+    at a time (128 tokens: 9.6 and 8.4 ms; 64: 2.7 and 3.4 ms). The mesh is the one traced
+    under (jax.set_mesh; InferenceJob does)."""
     if jax.default_backend() != "cpu":
         return B
     mesh = jax.sharding.get_abstract_mesh()
