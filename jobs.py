@@ -200,10 +200,19 @@ class ExecutionSpec:
         return jax.process_index() == 0
 
     def make_mesh(self) -> jax.sharding.Mesh:
+        """Every device on "batch", or the --mesh asked for. A mesh smaller than a single
+        process's devices takes the first of them (`--mesh 1x1` on an 8-device host is a
+        single-device run) and says so; over several processes it must use them all."""
         if self.mesh is None:
             return gpt.make_mesh()
         try:
-            return gpt.make_mesh(*gpt.parse_mesh(self.mesh))
+            batch, shard = gpt.parse_mesh(self.mesh)
+            if jax.process_count() == 1 and batch * shard < jax.device_count():
+                if self.is_main and not getattr(self.cfg, "quiet", False):
+                    print(f"mesh {batch}x{shard}: the first {batch * shard} of {jax.device_count()} devices",
+                          file=sys.stderr)
+                return gpt.make_mesh(batch, shard, devices=jax.devices()[:batch * shard])
+            return gpt.make_mesh(batch, shard)
         except ValueError as e:
             hint = ""
             if jax.default_backend() == "cpu":
