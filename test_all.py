@@ -9,12 +9,14 @@ every mesh and on two processes). Torch and lm-eval are test-only: their tests s
 reason where they are missing.
 """
 import ast
-import copy
-import dataclasses
 import atexit
 import collections
+import contextlib
+import copy
+import dataclasses
 import functools
 import hashlib
+import io
 import json
 import math
 import os
@@ -1374,6 +1376,100 @@ def test_generation_equals_a_prompt_alone_decoded_to_the_end(fuzz, prompts, stop
         got = [(g.text, g.tokens, g.truncated) for _, g in
                job(mesh, batch, 16).generate_until(requests, n_new, temperature, top_p, seed)]
     assert got == want
+
+
+# the same properties through the command line: random --data files of the four kinds, and
+# random lm-eval task YAMLs over local JSONL, against the simplest path of our own and
+# against lm-eval's own HF model
+
+def main_in_process(*args):
+    """evaluate.main in this process (no start-up, the suite's compiled programs), its signal
+    handlers put back afterwards: (exit status, stderr)."""
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    hook, err = sys.unraisablehook, io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            status = evaluate.main([str(a) for a in args])
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+        sys.unraisablehook = hook
+    return status, err.getvalue()
+
+
+@contextlib.contextmanager
+def simplest_path():
+    """The inference core with its fast mechanisms off: a request a row (no packing, no
+    shared contexts, no filling), a batch at a time, no shared generation prefix."""
+    pack = inference.pack_requests
+    with mock.patch.object(inference, "pack_requests", lambda requests, max_len, share: pack(requests, max_len, False)), \
+            mock.patch.object(inference, "FILL_LENGTH", 1), mock.patch.object(inference, "REFILL", False), \
+            mock.patch.object(inference, "SHARED_PREFIX_STEP", 1 << 30):
+        yield
+
+
+FUZZ_TEXT = "ab c.\né"  # é: two bytes, so a character can end inside a token pair
+
+
+@st.composite
+def texts_alike(draw, count, max_len=SMALL["block_size"]):
+    """`count` texts that begin alike (contexts_alike's tokens as characters), some empty."""
+    _, token_rows = draw(contexts_alike(count, max_len))
+    return ["".join(FUZZ_TEXT[t % len(FUZZ_TEXT)] for t in row[:draw(st.sampled_from([0, len(row)]))])
+            for row in token_rows]
+
+
+@st.composite
+def data_files(draw):
+    """Lines of the four kinds: documents (one to three windows), multiple choice with
+    contexts alike and one- or few-character choices, prompts alike with and without their
+    own stop strings, next-token accuracy texts."""
+    n = lambda: draw(st.integers(1, 7))
+    short = lambda: draw(st.text(FUZZ_TEXT, min_size=1, max_size=draw(st.sampled_from([1, 4]))))
+    ppl = [{"text": t or "a"} for t in draw(texts_alike(n(), 3 * SMALL["block_size"]))]
+    choices = lambda: draw(st.lists(st.text(FUZZ_TEXT, min_size=1, max_size=draw(st.sampled_from([1, 4]))),
+                                    min_size=2, max_size=4, unique=True))  # equal choices tie: either is right
+    mc = [{"context": t, "choices": c, "gold": draw(st.integers(0, len(c) - 1))}
+          for t, c in ((t, choices()) for t in draw(texts_alike(n())))]
+    gen = [{"prompt": t or "a", "answer": short(), **({"until": [short()]} if draw(st.booleans()) else {})}
+           for t in draw(texts_alike(n()))]
+    acc = [{"text": t + "ab"} for t in draw(texts_alike(n()))]
+    return {"ppl": ppl, "mc": mc, "gen": gen, "acc": acc}
+
+
+def samples_alike(got, want):
+    """samples.jsonl lines: numbers within 1e-5 relative, everything else identical."""
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.keys() == w.keys(), (g, w)
+        for key, value in w.items():
+            if isinstance(value, float) or (isinstance(value, list) and value and isinstance(value[0], float)):
+                np.testing.assert_allclose(g[key], value, rtol=1e-5, atol=1e-6, err_msg=f"{w['eval']} {key}")
+            else:
+                assert g[key] == value, (w["eval"], key, g, w)
+
+
+@fuzz_settings(3)
+@hypothesis.given(files=data_files(), batch=st.integers(1, 17), mesh=st.sampled_from(["1x1", "4x2", "2x4", "8x1"]),
+                  n_new=st.sampled_from([1, 6]), sampling=st.sampled_from([["--temperature", "0"],
+                                                                           ["--temperature", "0.8", "--seed", "3"]]))
+def test_cli_data_files_score_as_the_simplest_path(tiny_ckpt, files, batch, mesh, n_new, sampling):
+    """`evaluate.py --data` on random files of the four kinds, any batch size and mesh: the
+    samples and results of the simplest path (a request a row, batch 1, one device)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        data = sum([["--data", f"{kind}:{write_jsonl(Path(tmp) / f'{kind}.jsonl', rows)}"]
+                    for kind, rows in files.items()], [])
+        common = ["--ckpt", tiny_ckpt, *data, "--max-new-tokens", n_new, *sampling, "--log-samples", "--quiet"]
+        status, err = main_in_process(*common, "--batch-size", batch, "--mesh", mesh, "--out", Path(tmp) / "fast")
+        assert status == 0, err
+        with simplest_path():
+            status, err = main_in_process(*common, "--batch-size", 1, "--mesh", "1x1", "--out", Path(tmp) / "simple")
+        assert status == 0, err
+        got, want = ([json.loads(line) for line in (Path(tmp) / d / "samples.jsonl").read_text().splitlines()]
+                     for d in ("fast", "simple"))
+        samples_alike(got, want)
+        np.testing.assert_allclose(list(results_of(Path(tmp) / "fast").values()),
+                                   list(results_of(Path(tmp) / "simple").values()), rtol=1e-5)
 
 
 def test_checkpoint_round_trip(small, tmp_path):
@@ -3342,10 +3438,12 @@ def test_same_scores_twice_and_on_every_mesh(ckpt, suite, tmp_path):
     for name in "ab":  # the same command in two fresh processes
         proc = cli(*run(name, "1x1"), devices=1)
         assert proc.returncode == 0, proc.stderr[-2000:]
-    meshes = cli_many(run("c", "8x1"), run("d", "4x2"), run("e", "2x4"), devices=8)
+    one_of_eight = [a for a in run("f", "1x1") if a != "--quiet"]  # the first device of 8, and it says so
+    meshes = cli_many(run("c", "8x1"), run("d", "4x2"), run("e", "2x4"), one_of_eight, devices=8)
     assert all(proc.returncode == 0 for proc in meshes), [proc.stderr[-2000:] for proc in meshes]
-    runs = {name: results_of(tmp_path / name) for name in "abcde"}
-    assert runs["a"] == runs["b"]
+    assert meshes[-1].stderr.splitlines()[0] == "mesh 1x1: the first 1 of 8 devices"
+    runs = {name: results_of(tmp_path / name) for name in "abcdef"}
+    assert runs["a"] == runs["b"] == runs["f"]
     for name in "cde":
         for key, value in runs["a"].items():
             if key == "docs":
