@@ -2837,6 +2837,16 @@ def test_bench_limits_mode():
     assert x["decoding"]["best"] > 0 and x["decoding"]["bound"] > 0 and x["peak"]["flops_per_s"] > 0
 
 
+def test_bench_load_mode(ckpt):
+    """--load: a checkpoint loaded onto the mesh in a fresh process, beside `cat`: every
+    parameter byte read once and placed, the peak memory above what the process held before."""
+    x = bench("--load", ckpt)["loading"]
+    [load], [(cat_seconds, _)] = x["loads"], x["cat"]
+    params = gpt.count_params(gpt.abstract_params(gpt.GPT(**SMALL)))
+    assert load["read"] == load["placed"] == 4 * params < x["file_bytes"]  # float32; the file adds its header
+    assert load["peak_rss"] > load["rss_before"] and load["seconds"] > 0 and cat_seconds > 0
+
+
 @needs_lm_eval
 def test_bench_shapes_beside_lm_evals_hf_model(tmp_path):
     """--shapes, its MMLU-style and gsm8k-CoT-style workloads: lm-eval's templates through
