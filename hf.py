@@ -4,8 +4,9 @@
 
 Reading order: the config (read through transformers' config classes) -> GPT fields per
 family (gpt.FAMILIES holds what differs; this file maps names and layouts onto it) ->
-the tensors of each family, read with jobs.TensorFiles (one at a time, each checked) ->
-load_backbone -> export_gpt2 (a GPT-2-layout GPT as a directory transformers loads).
+the tensors of each family through jobs.TensorFiles (views of the stored tensors; a block is
+read and checked when a device takes it) -> load_backbone -> export_gpt2 (a GPT-2-layout GPT
+as a directory transformers loads).
 
 Supported model types: gpt2, llama (with Llama 3.x "llama3" or "linear" rope scaling),
 qwen2, qwen3, gpt_neox, mistral (sliding windows), gemma3_text and gemma2 (local and
