@@ -7,6 +7,7 @@
     python bench.py --limits         # this project alone against the machine's limits (GPU/TPU)
     python bench.py --shapes --layers 30 --width 576 --heads 9 --kv-heads 3 --mlp-hidden 1536 \
         --context 2048 --batch 16 --init-std 0.1   # the tasks people report, beside lm-eval (15-25 min)
+    python bench.py --load DIR --dtype bfloat16   # loading a checkpoint: time and peak memory against `cat`
 
 What it does, in order:
 1. Compilation: the built-in suite (the 4 built-in evaluations) on the default tiny GPT,
@@ -36,6 +37,9 @@ With --shapes, only bench_shapes runs: MMLU-, hellaswag-, gsm8k-, gsm8k-CoT- and
 wikitext-shaped lm-eval tasks through this project's command line and through lm-eval's HF
 model, whole processes side by side, with the work each computed and a check that their
 answers agree.
+With --load DIR, only bench_load runs: the checkpoint DIR (HuggingFace or native) loaded
+onto the mesh of every device in a fresh process, its time and peak host memory, beside
+reading its weight files once with `cat > /dev/null`.
 
 Every timing is a warm-up call (which compiles), then --reps rounds in which the
 contenders take turns, so that other processes' load falls on all of them alike; the
@@ -50,6 +54,7 @@ import importlib.util
 import json
 import os
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -64,6 +69,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import transformers
+from safetensors import safe_open
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 try:  # only the side-by-side run needs torch; --limits runs without it
@@ -75,7 +81,7 @@ import evaluate
 import gpt
 import inference
 from hf import load_backbone
-from jobs import ByteTokenizer, ExecutionSpec, UsageError, exit_status, option, parse_options
+from jobs import SAFETENSORS_DTYPES, ByteTokenizer, ExecutionSpec, UsageError, exit_status, option, parse_options
 
 
 @dataclasses.dataclass
@@ -116,6 +122,7 @@ class BenchConfig:
     gsm8k_questions: int = option(32, "--shapes: gsm8k-style questions")
     max_gen_toks: int = option(256, "--shapes: new tokens at most per gsm8k-style answer (gsm8k's 256)")
     wikitext_docs: int = option(60, "--shapes: documents of the rolling perplexity")
+    load: str = option("", "a checkpoint directory to time loading, with its peak memory, beside `cat` (bench_load)")
 
 
 # ----------------------------------------------------------------------------- timing
@@ -977,6 +984,102 @@ def shapes_table(cfg: BenchConfig, r: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------- loading
+
+# Run in a fresh process, so that its peak memory is the load's: imports, then the load onto
+# a mesh of every device (blocked until placed), then what it measured as one JSON line.
+LOAD_SIDE = """
+import json, sys, time
+import jax
+import gpt, jobs
+from hf import load_backbone
+
+def rss(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+path, dtype = sys.argv[1], sys.argv[2]
+mesh, before, start, cpu = gpt.make_mesh(), rss("VmRSS"), time.perf_counter(), time.process_time()
+if jobs.Node(path).is_native:
+    _, variables, _ = jobs.load_checkpoint(path, mesh, dtype)
+else:
+    _, variables = load_backbone(path, dtype, mesh)
+jax.block_until_ready(variables)
+seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
+placed = sum(s.data.nbytes for x in jax.tree.leaves(variables) for s in x.addressable_shards)
+print(json.dumps({"seconds": seconds, "cpu_seconds": cpu_seconds, "rss_before": before, "peak_rss": rss("VmHWM"), "placed": placed,
+                  "read": jobs.TensorFiles.bytes_read, "devices": len(jax.local_devices())}))
+"""
+
+
+def weight_files(path: str) -> List[Path]:
+    files = sorted(p for p in Path(path).iterdir() if p.name.endswith(".safetensors"))
+    if not files:
+        raise UsageError(f"--load {path}: no *.safetensors files")
+    return files
+
+
+def largest_tensor(files: List[Path]) -> int:
+    """Bytes of the largest tensor the files hold, from their headers."""
+    largest = 0
+    for file in files:
+        with safe_open(str(file), framework="numpy") as f:
+            for name in f.keys():
+                tensor = f.get_slice(name)
+                item = np.dtype(SAFETENSORS_DTYPES[tensor.get_dtype()]).itemsize
+                largest = max(largest, item * int(np.prod(tensor.get_shape())))
+    return largest
+
+
+def timed_cat(files: List[Path]) -> Tuple[float, float]:
+    """(wall seconds, CPU seconds) of `cat FILES > /dev/null`."""
+    children, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+    subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL, check=True)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.perf_counter() - start, after.ru_utime + after.ru_stime - children.ru_utime - children.ru_stime
+
+
+def bench_load(cfg: BenchConfig, say: Callable[[str], None]) -> Dict[str, Any]:
+    """Reading the weight files once (`cat`, run once before to fill the page cache, which
+    the load then reads too), against loading the checkpoint onto the mesh in a fresh
+    process, --reps times in turn; wall and CPU seconds (on a busy machine the CPU time is
+    the steadier), and the load's peak memory."""
+    files = weight_files(cfg.load)
+    out: Dict[str, Any] = {"file_bytes": sum(f.stat().st_size for f in files), "largest": largest_tensor(files),
+                           "cat": [], "loads": []}
+    say(f"--load {cfg.load}: {out['file_bytes'] / 2**30:.2f} GiB in {len(files)} files; cat once to warm the cache")
+    timed_cat(files)
+    for rep in range(cfg.reps):
+        out["cat"].append(timed_cat(files))
+        say(f"round {rep + 1}: cat {out['cat'][-1][0]:.2f} s; loading")
+        proc = subprocess.run([sys.executable, "-c", LOAD_SIDE, cfg.load, cfg.dtype], capture_output=True,
+                              text=True, cwd=Path(__file__).resolve().parent)
+        if proc.returncode:
+            raise UsageError(f"--load {cfg.load}: loading failed: {proc.stderr.strip().splitlines()[-1]}")
+        out["loads"].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return out
+
+
+def load_table(cfg: BenchConfig, r: Dict[str, Any]) -> str:
+    b, best = r["loading"], min(r["loading"]["loads"], key=lambda x: x["seconds"])
+    gib, (cat, cat_cpu) = 2**30, min(b["cat"])
+    load_cpu = min(x["cpu_seconds"] for x in b["loads"])
+    peak = max(x["peak_rss"] for x in b["loads"])
+    lines = [f"checkpoint: {cfg.load}, {b['file_bytes'] / gib:.2f} GiB of safetensors, largest tensor "
+             f"{b['largest'] / 2**20:.0f} MiB; loaded in {cfg.dtype} onto {best['devices']} device(s)",
+             f"machine: {os.cpu_count()} CPUs (load average {r['load'][0]:.1f} -> {r['load'][1]:.1f}); "
+             f"best of {len(b['cat'])} rounds",
+             f"  {'':28s} {'wall s':>7s} {'GiB/s':>6s} {'CPU s':>6s}",
+             f"  {'cat > /dev/null (page cache)':28s} {cat:7.2f} {b['file_bytes'] / gib / cat:6.2f} {cat_cpu:6.2f}",
+             f"  {'load onto the mesh':28s} {best['seconds']:7.2f} {b['file_bytes'] / gib / best['seconds']:6.2f} "
+             f"{load_cpu:6.2f}  ({cat / best['seconds']:.2f} of cat's speed)",
+             f"  bytes read {best['read'] / gib:.2f} GiB, placed {best['placed'] / gib:.2f} GiB",
+             f"  peak RSS {peak / gib:.2f} GiB: {best['rss_before'] / gib:.2f} before loading (jax, transformers), "
+             f"so {(peak - best['rss_before']) / gib:.2f} GiB for the load, against placed + largest tensor "
+             f"{(best['placed'] + b['largest']) / gib:.2f} GiB"]
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------- report
 
 
@@ -1112,6 +1215,8 @@ def bench(argv: List[str]) -> None:
         results["limits"] = bench_limits(cfg, log)
     elif cfg.shapes:
         results["shapes"] = bench_shapes(cfg, say)
+    elif cfg.load:
+        results["loading"] = bench_load(cfg, say)
     else:
         results.update(against_transformers(cfg, log, say))
     results["seconds"] = time.perf_counter() - started
@@ -1119,7 +1224,7 @@ def bench(argv: List[str]) -> None:
     if cfg.json:
         print(json.dumps(results, indent=2))
     else:
-        report = limits_table if cfg.limits else shapes_table if cfg.shapes else table
+        report = limits_table if cfg.limits else shapes_table if cfg.shapes else load_table if cfg.load else table
         print(report(cfg, results))
 
 

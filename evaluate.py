@@ -626,8 +626,8 @@ class BackboneEvaluate(Evaluator):
         if Node(c.ckpt).is_native:
             model, variables, config = load_checkpoint(c.ckpt, mesh, c.dtype)
             return model, variables, load_tokenizer(config, c.ckpt)
-        model, host = load_backbone(c.ckpt, c.dtype)
-        return model, gpt.place_params(model, mesh, host), HFTokenizer(c.ckpt)
+        model, variables = load_backbone(c.ckpt, c.dtype, mesh)  # each device's share read from the files
+        return model, variables, HFTokenizer(c.ckpt)
 
 
 # ----------------------------------------------------------------------------- fingerprint and resume

@@ -1281,33 +1281,43 @@ def init_params(model: Module, mesh: Mesh, seed: int = 0) -> Any:
 
 
 def place_params(model: Module, mesh: Mesh, host_params: Any) -> Any:
-    """Put a host (numpy) parameter tree into the model's mesh shardings, shard by shard.
+    """Put a host parameter tree into the model's mesh shardings, block by block.
 
-    Works with several processes: each one copies only the slices its devices hold.
+    A leaf is a numpy array, or anything with a shape whose [index] reads that block as
+    numpy (a checkpoint's tensors, read only then: see jobs.LazyTensor). Each process reads
+    only the blocks its devices hold, each distinct block once however many of its devices
+    hold it, and a parameter's blocks are let go once they are on their devices.
     """
     shardings = param_shardings(model, mesh, abstract_params(model))
     dtype = model.pdtype
 
-    def put(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
-        return jax.make_array_from_callback(array.shape, sharding,
-                                            lambda index: np.asarray(array[index]).astype(dtype))
+    def put(array: Any, sharding: NamedSharding) -> jax.Array:
+        blocks = {}  # (start, stop) per dimension -> the block, for the devices that share it
+
+        def block(index: Tuple[slice, ...]) -> np.ndarray:
+            key = tuple(s.indices(n)[:2] for s, n in zip(index, array.shape))
+            if key not in blocks:  # (jax copies it onto the device: the caller's array is never aliased)
+                blocks[key] = np.asarray(array[index], dtype)
+            return blocks[key]
+
+        return jax.make_array_from_callback(tuple(array.shape), sharding, block)
 
     return jax.tree.map(put, host_params, shardings)
 
 
 def available_memory() -> int:
-    """Bytes free for parameters and activations: the host's available memory (CPU devices
-    share it; parameters are read on the host first), or less where this process's
-    accelerators report less free memory between them."""
+    """Bytes free for parameters and activations: the free memory of this process's
+    accelerators between them where they report it, otherwise (CPU devices, which share it)
+    the host's available memory."""
+    stats = [device.memory_stats() for device in jax.local_devices()]
+    if all(s and "bytes_limit" in s for s in stats):
+        return sum(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     try:
         with open("/proc/meminfo") as f:  # Linux: MemAvailable counts reclaimable caches
             host = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError):
         pass
-    stats = [device.memory_stats() for device in jax.local_devices()]
-    if all(s and "bytes_limit" in s for s in stats):
-        return min(host, sum(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats))
     return host
 
 

@@ -4,8 +4,9 @@
 
 Reading order: the config (read through transformers' config classes) -> GPT fields per
 family (gpt.FAMILIES holds what differs; this file maps names and layouts onto it) ->
-the tensors of each family, read with jobs.TensorFiles (one at a time, each checked) ->
-load_backbone -> export_gpt2 (a GPT-2-layout GPT as a directory transformers loads).
+the tensors of each family through jobs.TensorFiles (views of the stored tensors; a block is
+read and checked when a device takes it) -> load_backbone -> export_gpt2 (a GPT-2-layout GPT
+as a directory transformers loads).
 
 Supported model types: gpt2, llama (with Llama 3.x "llama3" or "linear" rope scaling),
 qwen2, qwen3, gpt_neox, mistral (sliding windows), gemma3_text and gemma2 (local and
@@ -36,8 +37,8 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # its import-ti
 import transformers  # noqa: E402  (torch is never needed, and the first line on stderr is ours)
 
 import gpt
-from jobs import (TensorFiles, UsageError, check_model_fields, exit_status, first_line, flatten, param_shapes,
-                  read_config, short)
+from jobs import (TensorFiles, UsageError, check_model_fields, concatenated, exit_status, first_line, flatten,
+                  param_shapes, read_config, short, split, stacked)
 
 SUPPORTED = ("gpt2", "llama", "qwen2", "qwen3", "gpt_neox", "mistral", "gemma3_text", "gemma2", "phi3", "olmo2",
              "granite", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
@@ -304,8 +305,10 @@ def expert_fields(config: Any) -> Dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- tensors per family
-# Each reader returns the GPT's parameter tree (numpy) from a directory's tensors; the
-# shapes it asks for come from the model, so a config that does not match the file fails
+# Each reader returns the GPT's parameter tree from a directory's tensors, unread (see
+# jobs.LazyTensor): the family's layout (transposes, fused tensors split, experts stacked)
+# is a view of the stored tensors, so a device's block reads only the bytes it holds. The
+# shapes asked for come from the model, so a config that does not match the file fails
 # naming the tensor.
 
 
@@ -320,8 +323,8 @@ def gpt2_params(ck: TensorFiles, m: gpt.GPT) -> Dict[str, Any]:
     for i in range(m.n_layers):
         h = f"h.{i}."
         qkv = dense(h + "attn.c_attn", D, 3 * D)
-        q, k, v = ({"kernel": w, "bias": b} for w, b in zip(np.split(qkv["kernel"], 3, axis=1),
-                                                            np.split(qkv["bias"], 3)))
+        q, k, v = ({"kernel": w, "bias": b} for w, b in zip(split(qkv["kernel"], [D] * 3, axis=1),
+                                                            split(qkv["bias"], [D] * 3)))
         p[f"blocks_{i}"] = {
             "ln_1": norm(h + "ln_1"), "ln_2": norm(h + "ln_2"),
             "attn": {"q": q, "k": k, "v": v, "o": dense(h + "attn.c_proj", D, D)},
@@ -374,7 +377,7 @@ def attention_params(ck: TensorFiles, m: gpt.GPT, config: Any, h: str) -> Dict[s
     D, H, K, E = m.n_embd, m.n_head, m.kv_heads, m.head_width
     qkv, out, _ = llama_biases(config)
     if config.model_type == "phi3":
-        q, k, v = np.split(ck.get(h + "self_attn.qkv_proj.weight", ((H + 2 * K) * E, D)), [H * E, (H + K) * E])
+        q, k, v = split(ck.get(h + "self_attn.qkv_proj.weight", ((H + 2 * K) * E, D)), [H * E, K * E, K * E])
         attn = {"q": {"kernel": q.T}, "k": {"kernel": k.T}, "v": {"kernel": v.T}}
     else:
         attn = {name: linear(ck, h + f"self_attn.{name}_proj", D, heads * E, qkv, qkv)
@@ -394,7 +397,7 @@ def mlp_params(ck: TensorFiles, m: gpt.GPT, config: Any, h: str, name: str = "ml
     D, F = m.n_embd, width or m.mlp_width
     _, _, bias = llama_biases(config)
     if config.model_type == "phi3":
-        gate, up = np.split(ck.get(h + "mlp.gate_up_proj.weight", (2 * F, D)), 2)
+        gate, up = split(ck.get(h + "mlp.gate_up_proj.weight", (2 * F, D)), [F, F])
         return {"gate": {"kernel": gate.T}, "up": {"kernel": up.T},
                 "down": linear(ck, h + "mlp.down_proj", F, D, bias, m.bias)}
     return {part: linear(ck, f"{h}{name}.{part}_proj", n_in, n_out, bias, m.bias)
@@ -408,8 +411,8 @@ def expert_params(ck: TensorFiles, m: gpt.GPT, config: Any, h: str) -> Dict[str,
     X, D, F = m.n_experts, m.n_embd, m.mlp_width
     where, names = ("block_sparse_moe.", ("w1", "w3", "w2")) if config.model_type == "mixtral" else \
         ("mlp.", ("gate_proj", "up_proj", "down_proj"))
-    stack = lambda name, shape: np.stack([ck.get(f"{h}{where}experts.{x}.{name}.weight", shape).T
-                                          for x in range(X)])
+    stack = lambda name, shape: stacked([ck.get(f"{h}{where}experts.{x}.{name}.weight", shape).T
+                                         for x in range(X)])
     p = {"router": {"kernel": ck.get(h + where + "gate.weight", (X, D)).T},
          "gate": stack(names[0], (F, D)), "up": stack(names[1], (F, D)), "down": stack(names[2], (D, F))}
     if m.shared_expert_hidden is not None:
@@ -419,20 +422,22 @@ def expert_params(ck: TensorFiles, m: gpt.GPT, config: Any, h: str) -> Dict[str,
 
 
 def neox_params(ck: TensorFiles, m: gpt.GPT) -> Dict[str, Any]:
-    """GPT-NeoX: query_key_value's outputs are laid out per head as [H, 3, E] (not q|k|v)."""
+    """GPT-NeoX: query_key_value's outputs are laid out per head as [H, 3, E] (not q|k|v):
+    q is the first E rows of each head's 3 E, k the next, v the last."""
     D, F, V, H, E = m.n_embd, m.mlp_width, m.vocab_size, m.n_head, m.head_width
     norm = lambda name: {"scale": ck.get(name + ".weight", (D,)), "bias": ck.get(name + ".bias", (D,))}
     p = {"wte": {"embedding": ck.get("embed_in.weight", (V, D))}}
     for i in range(m.n_layers):
         h = f"layers.{i}."
-        w = ck.get(h + "attention.query_key_value.weight", (3 * D, D)).reshape(H, 3, E, D)
+        w = ck.get(h + "attention.query_key_value.weight", (3 * D, D))
         if m.has_qkv_bias:
-            b = ck.get(h + "attention.query_key_value.bias", (3 * D,)).reshape(H, 3, E)
+            b = ck.get(h + "attention.query_key_value.bias", (3 * D,))
+        per_head = lambda t, j: concatenated([t.part(0, (3 * g + j) * E, (3 * g + j + 1) * E) for g in range(H)])
         attn = {}
         for j, name in enumerate("qkv"):
-            attn[name] = {"kernel": w[:, j].reshape(H * E, D).T}
+            attn[name] = {"kernel": per_head(w, j).T}
             if m.has_qkv_bias:
-                attn[name]["bias"] = b[:, j].reshape(H * E)
+                attn[name]["bias"] = per_head(b, j)
         attn["o"] = linear(ck, h + "attention.dense", D, D, m.has_qkv_bias, True)  # attention_bias
         p[f"blocks_{i}"] = {
             "ln_1": norm(h + "input_layernorm"), "ln_2": norm(h + "post_attention_layernorm"),
@@ -459,11 +464,14 @@ def check_tree(model: gpt.GPT, params: Dict[str, Any], path: str) -> None:
                              f"{list(expected[name])}")
 
 
-def load_backbone(path: str, dtype: str = "float32") -> Tuple[gpt.GPT, Dict[str, Any]]:
-    """(gpt.GPT, {"params": numpy tree}) for a HuggingFace directory, in `dtype`.
+def load_backbone(path: str, dtype: str = "float32",
+                  mesh: Optional[jax.sharding.Mesh] = None) -> Tuple[gpt.GPT, Dict[str, Any]]:
+    """(gpt.GPT, {"params": tree}) for a HuggingFace directory, in `dtype`.
 
-    The host tree is plain numpy in `dtype` (bfloat16 via ml_dtypes); put it on a mesh with
-    gpt.place_params(model, mesh, host), which copies each device's slice only.
+    On `mesh`, the parameters are made in their shardings from the files directly: each
+    process reads only the blocks its devices hold (gpt.place_params), in `dtype` from the
+    file's own, and the "fits in memory" check counts each device's share. Without one,
+    the tree is plain numpy on the host (bfloat16 via ml_dtypes), read a tensor at a time.
     """
     path = os.fspath(path)
     if dtype not in gpt.DTYPES:
@@ -472,7 +480,8 @@ def load_backbone(path: str, dtype: str = "float32") -> Tuple[gpt.GPT, Dict[str,
     config_file = os.path.join(path, "config.json")
     check_sizes(config, config_file)
     # the same checks as a native config.json (heads that divide, ranges, fits in memory)
-    model = check_model_fields(dict(hf_fields(config), param_dtype=dtype, activation_dtype=dtype), config_file)
+    model = check_model_fields(dict(hf_fields(config), param_dtype=dtype, activation_dtype=dtype), config_file,
+                               mesh)
     t = config.model_type
     ck = TensorFiles(path, dtype, prefix=BASE_PREFIX.get(t, "model."))
     if t == "gpt2":
@@ -486,7 +495,9 @@ def load_backbone(path: str, dtype: str = "float32") -> Tuple[gpt.GPT, Dict[str,
         raise UsageError(f"{path}: {len(unused)} tensor(s) that config.json does not account for, "
                          f"e.g. {unused[0]!r}")
     check_tree(model, params, path)
-    return model, {"params": params}
+    if mesh is not None:
+        return model, gpt.place_params(model, mesh, {"params": params})
+    return model, {"params": jax.tree.map(np.asarray, params)}
 
 
 # ----------------------------------------------------------------------------- export

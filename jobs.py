@@ -437,6 +437,10 @@ class Node:
 
 NATIVE_FORMAT = "gpt-native-v1"
 FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")  # fp8/int: quantized, refused
+# safetensors' dtype names as numpy's (a dtype not listed keeps safetensors' name in errors)
+SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                      "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+                      "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
@@ -455,10 +459,11 @@ def read_config(directory: Path) -> Dict[str, Any]:
     return config
 
 
-def check_model_fields(fields: Any, where: str) -> gpt.GPT:
+def check_model_fields(fields: Any, where: str, mesh: Optional[jax.sharding.Mesh] = None) -> gpt.GPT:
     """The GPT that config fields describe, checked before anything is built: known names,
     JSON types, ranges, head counts that divide, known kinds, and parameters that fit in
-    memory (estimated from the sizes, so absurd ones fail at once). `where` names the file."""
+    memory (estimated from the sizes, so absurd ones fail at once; on `mesh`, each device's
+    share). `where` names the file."""
     if not isinstance(fields, dict):
         raise UsageError(f"{where}: \"model\" must be an object of GPT fields, got {short(fields)}")
     hints = typing.get_type_hints(gpt.GPT)
@@ -469,7 +474,7 @@ def check_model_fields(fields: Any, where: str) -> gpt.GPT:
             raise UsageError(f"{where}: model field {name!r} must be {type_name(hints[name])}, got {short(value)}")
     model = gpt.GPT(**fields)  # a flax dataclass: nothing is built or traced yet
     check_sizes(model, where)
-    check_fits_in_memory(model, where)
+    check_fits_in_memory(model, where, mesh)
     return model
 
 
@@ -542,23 +547,137 @@ def parameter_count(m: gpt.GPT) -> int:
     return m.n_layers * (attention + mlp) + embeddings
 
 
-def check_fits_in_memory(m: gpt.GPT, where: str) -> None:
+def check_fits_in_memory(m: gpt.GPT, where: str, mesh: Optional[jax.sharding.Mesh] = None) -> None:
+    """The parameters must fit where they are placed. Without a mesh: the whole model once.
+    On a mesh each device holds its share, the model over the "shard" axis (every large
+    matrix is split over it; what stays whole is small), and this process's devices hold
+    theirs together: against gpt.available_memory(), the host's for CPU devices (they
+    share it), the accelerators' own otherwise (nothing is gathered on the host first)."""
     count = parameter_count(m)
-    needed, free = count * np.dtype(gpt.dtype_of(m.param_dtype)).itemsize, gpt.available_memory()
+    shards, devices = 1, 1
+    if mesh is not None:
+        shards = mesh.shape["shard"]
+        devices = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
+    share = math.ceil(count / shards) * np.dtype(gpt.dtype_of(m.param_dtype)).itemsize
+    needed, free = share * devices, gpt.available_memory()
     if needed > free:
-        raise UsageError(f"{where}: these sizes make {count:.3g} parameters ({gpt.gigabytes(needed)}), "
+        on = "" if mesh is None else f" ({gpt.gigabytes(share)} on each of this process's {devices} devices)"
+        raise UsageError(f"{where}: these sizes make {count:.3g} parameters ({gpt.gigabytes(needed)}{on}), "
                          f"more than the {gpt.gigabytes(free)} of memory available")
 
 
-class TensorFiles:
-    """The tensors of a directory's *.safetensors file(s), read one at a time and checked.
+class LazyTensor:
+    """A parameter not read yet: its shape and dtype, and `read`, which reads one block of it
+    (a tuple of slices, one per dimension, each with a start and a stop) as numpy.
 
-    `get(name, shape)` reads one tensor and checks that it exists, is floating point and
-    has the expected shape, naming file and tensor in any error; `unused()` lists the
-    tensors never read, so a config that does not match the file shows up. Native
-    checkpoints read flax paths ("blocks_0/attn/q/kernel"); hf.py reads HuggingFace names,
-    under `prefix` ("model.") where the file has one. Nothing is ever unpickled.
+    `tensor[index]` reads that block and np.asarray(tensor) the whole; gpt.place_params reads
+    each device's block, so a process reads only what its devices hold. A checkpoint's
+    layout is a view of its stored tensors, and so still lazy: .T, part (a range along one
+    axis), split, stacked, concatenated.
     """
+
+    def __init__(self, shape: Tuple[int, ...], dtype: Any, read: Callable[[Tuple[slice, ...]], np.ndarray]):
+        self.shape, self.dtype, self.read = tuple(shape), np.dtype(dtype), read
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def __getitem__(self, index: Any) -> np.ndarray:
+        return self.read(block_of(index, self.shape))
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        whole = self[()]
+        return whole if dtype is None else whole.astype(dtype)
+
+    @property
+    def T(self) -> LazyTensor:
+        """The transpose: a torch Linear's [out, in] weight as our [in, out] kernel."""
+        return LazyTensor(self.shape[::-1], self.dtype, lambda index: self.read(index[::-1]).T)
+
+    def part(self, axis: int, start: int, stop: int) -> LazyTensor:
+        """Indices start..stop along `axis`: one of the tensors a fused one holds."""
+
+        def read(index: Tuple[slice, ...]) -> np.ndarray:
+            s = index[axis]
+            return self.read(index[:axis] + (slice(start + s.start, start + s.stop),) + index[axis + 1:])
+
+        return LazyTensor(self.shape[:axis] + (stop - start,) + self.shape[axis + 1:], self.dtype, read)
+
+
+def block_of(index: Any, shape: Tuple[int, ...]) -> Tuple[slice, ...]:
+    """An index of basic slices (what jax.make_array_from_callback gives; () or ... for the
+    whole) as one slice per dimension with its start and stop."""
+    index = () if index is Ellipsis else index if isinstance(index, tuple) else (index,)
+    if len(index) > len(shape) or not all(isinstance(s, slice) for s in index):
+        raise IndexError(f"a lazy tensor of shape {shape} reads blocks of slices, not {index!r}")
+    padded = index + (slice(None),) * (len(shape) - len(index))
+    ranges = [s.indices(n) for s, n in zip(padded, shape)]
+    if any(step != 1 for _, _, step in ranges):
+        raise IndexError(f"a lazy tensor reads contiguous blocks, not {index!r}")
+    return tuple(slice(start, max(start, stop)) for start, stop, _ in ranges)
+
+
+def block_shape(index: Tuple[slice, ...]) -> Tuple[int, ...]:
+    return tuple(s.stop - s.start for s in index)
+
+
+def split(tensor: LazyTensor, sizes: List[int], axis: int = 0) -> List[LazyTensor]:
+    """The tensors a fused one holds side by side along `axis`, `sizes` long (Phi-3's q|k|v
+    rows, GPT-2's c_attn columns)."""
+    starts = np.cumsum([0, *sizes]).tolist()
+    return [tensor.part(axis, a, b) for a, b in zip(starts, starts[1:])]
+
+
+def stacked(tensors: List[LazyTensor]) -> LazyTensor:
+    """The tensors along a new first axis (a mixture's experts): a block reads only the
+    experts it covers."""
+    first = tensors[0]
+
+    def read(index: Tuple[slice, ...]) -> np.ndarray:
+        blocks = [t.read(index[1:]) for t in tensors[index[0]]]
+        return np.stack(blocks) if blocks else np.zeros(block_shape(index), first.dtype)
+
+    return LazyTensor((len(tensors), *first.shape), first.dtype, read)
+
+
+def concatenated(tensors: List[LazyTensor]) -> LazyTensor:
+    """The tensors one after another along their first axis (GPT-NeoX's q: each head's rows
+    of query_key_value): a block reads only the pieces it overlaps."""
+    first = tensors[0]
+    starts = np.cumsum([0, *(t.shape[0] for t in tensors)]).tolist()
+
+    def read(index: Tuple[slice, ...]) -> np.ndarray:
+        rows = index[0]
+        blocks = [t.read((slice(max(rows.start, a) - a, min(rows.stop, b) - a), *index[1:]))
+                  for t, a, b in zip(tensors, starts, starts[1:]) if max(rows.start, a) < min(rows.stop, b)]
+        return np.concatenate(blocks) if blocks else np.zeros(block_shape(index), first.dtype)
+
+    return LazyTensor((starts[-1], *first.shape[1:]), first.dtype, read)
+
+
+def zeros(shape: Tuple[int, ...], dtype: Any) -> LazyTensor:
+    """A parameter the checkpoint lacks and that computes nothing (a bias a family has not)."""
+    return LazyTensor(shape, dtype, lambda index: np.zeros(block_shape(index), dtype))
+
+
+class TensorFiles:
+    """The tensors of a directory's *.safetensors file(s), read a block at a time and checked.
+
+    `get(name, shape)` checks from the file's header that a tensor exists, is floating point
+    and has the expected shape, naming file and tensor in any error, and returns it unread,
+    as a LazyTensor: a block is read when asked for (safetensors' get_slice), converted
+    from the file's dtype straight to `dtype`, and checked for NaN and infinities. `unused()`
+    lists the tensors never asked for, so a config that does not match the file shows up.
+    Native checkpoints read flax paths ("blocks_0/attn/q/kernel"); hf.py reads HuggingFace
+    names, under `prefix` ("model.") where the file has one. Nothing is ever unpickled.
+    """
+
+    bytes_read = 0  # bytes of weights this process has read, by every TensorFiles (tests and bench.py report it)
 
     def __init__(self, directory: str, dtype: str = "float32", prefix: str = ""):
         self.directory = directory
@@ -610,35 +729,63 @@ class TensorFiles:
     def has(self, name: str, prefixed: bool = True) -> bool:
         return self.name(name, prefixed) in self.where
 
-    def get(self, name: str, shape: Tuple[int, ...], prefixed: bool = True) -> np.ndarray:
+    def get(self, name: str, shape: Tuple[int, ...], prefixed: bool = True) -> LazyTensor:
         stored = self.name(name, prefixed)
         if stored not in self.where:
             raise UsageError(f"{self.directory}: tensor {stored!r} is missing")
         file = self.where[stored]
-        try:
-            with safe_open(file, framework="numpy") as f:
-                array = f.get_tensor(stored)
-        except (SafetensorError, OSError, ValueError) as e:
-            raise UsageError(f"{file}: cannot read tensor {stored!r} ({first_line(e)})") from None
-        if array.dtype.name not in FLOAT_DTYPES:
-            raise UsageError(f"{file}: tensor {stored!r} has dtype {array.dtype}; only float "
+        stored_dtype, stored_shape = self._header(file, stored)
+        if stored_dtype not in FLOAT_DTYPES:
+            raise UsageError(f"{file}: tensor {stored!r} has dtype {stored_dtype}; only float "
                              "weights are supported (no quantized checkpoints)")
-        if tuple(array.shape) != tuple(shape):
-            raise UsageError(f"{file}: tensor {stored!r} has shape {list(array.shape)}, "
+        if stored_shape != tuple(shape):
+            raise UsageError(f"{file}: tensor {stored!r} has shape {list(stored_shape)}, "
                              f"the model expects {list(shape)}")
         self.read.add(stored)
-        array = array.astype(self.dtype)
-        if array.size and not (np.isfinite(array.max()) and np.isfinite(array.min())):  # NaN or inf, no copy
+        return LazyTensor(stored_shape, self.dtype, lambda index: self._read_block(file, stored, index))
+
+    @staticmethod
+    def _header(file: str, stored: str) -> Tuple[str, Tuple[int, ...]]:
+        """(dtype name as numpy spells it, shape) of a stored tensor, from the file's header."""
+        try:
+            with safe_open(file, framework="numpy") as f:
+                tensor = f.get_slice(stored)
+                return SAFETENSORS_DTYPES.get(tensor.get_dtype(), tensor.get_dtype()), tuple(tensor.get_shape())
+        except (SafetensorError, OSError, ValueError) as e:
+            raise UsageError(f"{file}: cannot read tensor {stored!r} ({first_line(e)})") from None
+
+    def _read_block(self, file: str, stored: str, index: Tuple[slice, ...]) -> np.ndarray:
+        """One block of a stored tensor in self.dtype, converted from the file's dtype
+        directly (bfloat16 stays bfloat16), checked. The file is opened for this block only:
+        safetensors maps it, and what a read maps counts as this process's memory until the
+        file is closed."""
+        try:
+            with safe_open(file, framework="numpy") as f:
+                block = f.get_slice(stored)[index]
+        except (SafetensorError, OSError, ValueError) as e:
+            raise UsageError(f"{file}: cannot read tensor {stored!r} ({first_line(e)})") from None
+        TensorFiles.bytes_read += block.nbytes
+        block = block.astype(self.dtype, copy=False)
+        if not all_finite(block):
             raise UsageError(f"{file}: tensor {stored!r} holds NaN or infinite values (read as "
                              f"{self.dtype.name}): broken weights")
-        return array
+        return block
 
-    def zeros(self, shape: Tuple[int, ...]) -> np.ndarray:
-        return np.zeros(shape, self.dtype)
+    def zeros(self, shape: Tuple[int, ...]) -> LazyTensor:
+        return zeros(shape, self.dtype)
 
     def unused(self, ignored: Tuple[str, ...] = ()) -> List[str]:
         """Stored tensors never read, except names ending in one of `ignored`."""
         return sorted(n for n in self.where if n not in self.read and not n.endswith(ignored))
+
+
+def all_finite(array: np.ndarray) -> bool:
+    """Whether a float array holds no NaN and no infinity, read from its bits: with the sign
+    masked off, a value that is not finite is infinity's bit pattern or above. (numpy's own
+    max or isfinite of bfloat16 runs an element at a time: 20 s for 3 GB, against 1 s.)"""
+    bits = np.dtype(f"uint{8 * array.dtype.itemsize}")
+    infinity = np.array(np.inf, array.dtype).view(bits)
+    return not array.size or (array.view(bits) & (np.iinfo(bits).max >> 1)).max() < infinity
 
 
 def flatten(tree: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
@@ -711,14 +858,14 @@ def load_checkpoint(directory: str, mesh: jax.sharding.Mesh, dtype: Optional[str
     fields = config["model"]
     if dtype and isinstance(fields, dict):
         fields = {**fields, "param_dtype": dtype, "activation_dtype": dtype}
-    model = check_model_fields(fields, f"{path}/config.json")
+    model = check_model_fields(fields, f"{path}/config.json", mesh)
     tensors = TensorFiles(str(path), model.param_dtype)
     check_layer_count(model, tensors)
-    host = {name: tensors.get(name, shape) for name, shape in param_shapes(model).items()}
+    stored = {name: tensors.get(name, shape) for name, shape in param_shapes(model).items()}
     if tensors.unused():
         raise UsageError(f"{path}: {len(tensors.unused())} tensor(s) the model does not use, "
                          f"e.g. {tensors.unused()[0]!r}")
-    variables = gpt.place_params(model, mesh, {"params": unflatten(host)})
+    variables = gpt.place_params(model, mesh, {"params": unflatten(stored)})  # each device's block read here
     return model, variables, config
 
 

@@ -1995,6 +1995,76 @@ def test_logits_on_4x2_mesh(hf_models):
         assert diff <= 1e-4, family
 
 
+def assert_same_placed(placed, expected):
+    """Two parameter trees on a mesh: the same shardings, and the same values on every device."""
+    def same(a, b):
+        assert a.sharding == b.sharding and a.dtype == b.dtype
+        for x, y in zip(a.addressable_shards, b.addressable_shards):
+            assert x.device == y.device and x.index == y.index
+            np.testing.assert_array_equal(np.asarray(x.data), np.asarray(y.data))
+    jax.tree.map(same, placed, expected)
+
+
+@needs_torch
+def test_parameters_made_on_the_mesh_from_the_files_are_the_host_trees_placed(hf_models):
+    """load_backbone on a mesh reads each device's block from the files, through every
+    family's layout (transposes, GPT-2's c_attn, NeoX's heads, Phi-3's fused q|k|v and
+    gate|up, experts over "shard"): the arrays are those of the host tree placed, bit for
+    bit, on 4x2 and 1x8, and in bfloat16; a block is read once per process, however many
+    devices hold it."""
+    for mesh in (gpt.make_mesh(4, 2), gpt.make_mesh(1, 8)):
+        for family in FAMILIES:
+            path = hf_models[family][0]
+            model, host = load_backbone(path)
+            before = jobs.TensorFiles.bytes_read
+            _, placed = load_backbone(path, mesh=mesh)
+            assert_same_placed(placed, gpt.place_params(model, mesh, host))
+            # each block read once however many devices hold it: at most the float32 files' bytes
+            assert jobs.TensorFiles.bytes_read - before <= 4 * sum(x.size for x in jax.tree.leaves(host))
+    path = hf_models["qwen3_moe"][0]
+    model, host = load_backbone(path, "bfloat16")
+    assert_same_placed(load_backbone(path, "bfloat16", mesh)[1], gpt.place_params(model, mesh, host))
+
+
+TWO_PROCESS_LOAD = """
+import sys
+import jax, numpy as np
+jax.distributed.initialize(coordinator_address=sys.argv[2], num_processes=2, process_id=int(sys.argv[3]))
+import gpt, jobs
+from hf import load_backbone
+# a 2x4 mesh whose "shard" axis spans both processes: each holds two of the four shards, each twice
+d = jax.devices()
+mesh = gpt.make_mesh(2, 4, devices=[d[4 * (s // 2) + 2 * b + s % 2] for b in range(2) for s in range(4)])
+model, placed = load_backbone(sys.argv[1], mesh=mesh)
+read = jobs.TensorFiles.bytes_read
+_, host = load_backbone(sys.argv[1])
+for a, whole in zip(jax.tree.leaves(placed), jax.tree.leaves(host)):
+    for shard in a.addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), whole[shard.index])
+replicated = sum(a.nbytes for a in jax.tree.leaves(placed) if a.sharding.is_fully_replicated)
+split = sum(a.nbytes for a in jax.tree.leaves(placed) if not a.sharding.is_fully_replicated)
+print(read, replicated, split)
+"""
+
+
+@needs_torch
+def test_two_processes_each_read_only_their_devices_blocks(hf_models):
+    """Two processes of 4 devices, a 2x4 mesh with "shard" across them: each reads the
+    whole of what is replicated and half of what is split (its two shards, each once for
+    its two devices that hold it; two of Mixtral's four experts), counted in bytes, and
+    places what the files hold."""
+    path, port = hf_models["mixtral"][0], free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", TWO_PROCESS_LOAD, path, f"127.0.0.1:{port}", str(i)],
+                              cwd=ROOT, env=child_env(4), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    for out, _ in outs:
+        read, replicated, split = map(int, out.split())
+        print(f"one process read {read:,} bytes: {replicated:,} replicated + half of {split:,} split")
+        assert split > 2 * replicated and read == replicated + split // 2
+
+
 @needs_torch
 @pytest.mark.parametrize("family", [f for f in NEW_FAMILIES if f in SCORED_FAMILIES])
 def test_bfloat16_close_to_float32(hf_models, family):
@@ -3139,6 +3209,16 @@ def test_bench_limits_mode():
     assert x["param_bytes"] == 2 * x["params"]  # bfloat16
     assert x["scoring"]["flops"] == pytest.approx(4 * model.bind(init(model)).flops(64) / 3)
     assert x["decoding"]["best"] > 0 and x["decoding"]["bound"] > 0 and x["peak"]["flops_per_s"] > 0
+
+
+def test_bench_load_mode(ckpt):
+    """--load: a checkpoint loaded onto the mesh in a fresh process, beside `cat`: every
+    parameter byte read once and placed, the peak memory above what the process held before."""
+    x = bench("--load", ckpt)["loading"]
+    [load], [(cat_seconds, _)] = x["loads"], x["cat"]
+    params = gpt.count_params(gpt.abstract_params(gpt.GPT(**SMALL)))
+    assert load["read"] == load["placed"] == 4 * params < x["file_bytes"]  # float32; the file adds its header
+    assert load["peak_rss"] > load["rss_before"] and load["seconds"] > 0 and cat_seconds > 0
 
 
 @needs_lm_eval
