@@ -33,7 +33,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 import gpt
-from hf import load_backbone  # noqa: F401  (load_backbone: the reference API has it here too)
+from hf import load_backbone, resolve_checkpoint  # load_backbone: the reference API has it here too
 from inference import (MIN_TEMPERATURE, GenerationRequest, InferenceJob, RequestError, Request, Scored,
                        per_document)
 from jobs import (MAX_SEED, ByteTokenizer, ExecutionSpec, HFTokenizer, Node, UsageError, builtin_items,
@@ -448,6 +448,8 @@ class Evaluator(InferenceJob):
                  evaluations: Optional[List[Evaluation]] = None):
         self.spec, self.base = spec, base
         self.cfg: EvaluatorConfig = spec.cfg or EvaluatorConfig()
+        if parts is None and base is None and self.cfg.ckpt:  # `python jobs.py KEY --ckpt ...` gives no base
+            self.base = resolve_checkpoint(self.cfg.ckpt, say_on_process_0)
         if parts is None:
             mesh = spec.make_mesh()
             parts = Parts(*self.load(mesh), mesh)
@@ -583,6 +585,7 @@ class Evaluator(InferenceJob):
             "kind": {r.name: r.kind for r in results},
             "metrics": {r.name: r.metrics for r in results},
             "model": model_config(self.model), "checkpoint": self.cfg.ckpt,
+            "hub": self.base.hub if self.base is not None else None,
             "mesh": dict(self.mesh.shape), "processes": jax.process_count(),
             "config": dataclasses.asdict(self.cfg), "seconds": round(seconds, 3),
             "versions": {"jax": jax.__version__, "python": sys.version.split()[0]},
@@ -606,9 +609,9 @@ class Evaluate(Evaluator):
 
     def load(self, mesh):
         c = self.cfg
-        if c.ckpt:
-            model, variables, config = load_checkpoint(c.ckpt, mesh, c.dtype)
-            return model, variables, load_tokenizer(config, c.ckpt)
+        if self.base is not None:
+            model, variables, config = load_checkpoint(self.base.path, mesh, c.dtype)
+            return model, variables, load_tokenizer(config, self.base.path)
         model = gpt.GPT(param_dtype=c.dtype, activation_dtype=c.dtype)
         return model, gpt.init_params(model, mesh, self.spec.seed), ByteTokenizer()
 
@@ -618,14 +621,14 @@ class BackboneEvaluate(Evaluator):
     """Evaluate HuggingFace weights or a native checkpoint based on that model."""
 
     def load(self, mesh):
-        c = self.cfg
-        if not c.ckpt:
-            raise UsageError("backbone/evaluate needs --ckpt (a HuggingFace or native directory)")
-        if Node(c.ckpt).is_native:
-            model, variables, config = load_checkpoint(c.ckpt, mesh, c.dtype)
-            return model, variables, load_tokenizer(config, c.ckpt)
-        model, host = load_backbone(c.ckpt, c.dtype)
-        return model, gpt.place_params(model, mesh, host), HFTokenizer(c.ckpt)
+        if self.base is None:
+            raise UsageError("backbone/evaluate needs --ckpt (a HuggingFace directory or hub id, or a native one)")
+        path, dtype = self.base.path, self.cfg.dtype
+        if self.base.is_native:
+            model, variables, config = load_checkpoint(path, mesh, dtype)
+            return model, variables, load_tokenizer(config, path)
+        model, host = load_backbone(path, dtype)
+        return model, gpt.place_params(model, mesh, host), HFTokenizer(path)
 
 
 # ----------------------------------------------------------------------------- fingerprint and resume
@@ -658,13 +661,18 @@ def run_fingerprint(evaluator: Evaluator) -> Dict[str, Any]:
 
 
 def model_fingerprint(evaluator: Evaluator) -> Dict[str, Any]:
-    """A checkpoint: its path, and the size and hash of each file it is read from. Weights
-    made here (fresh, from --seed) or handed over in memory: the model's fields and a
-    hash of the parameters."""
-    source = evaluator.base.path if evaluator.base is not None else evaluator.cfg.ckpt  # jobs.py gives no base
-    if source is not None:
-        directory = Path(source)
+    """A checkpoint: its path, and the size and hash of each file it is read from; a hub
+    model's snapshot: its id and commit for the path (a cache moved elsewhere holds the same
+    run). Weights made here (fresh, from --seed) or handed over in memory: the model's
+    fields and a hash of the parameters."""
+    base = evaluator.base
+    if base is None and evaluator.cfg.ckpt is not None:  # handed over in memory, yet named
+        base = Node(evaluator.cfg.ckpt)
+    if base is not None:
+        directory = Path(base.path)
         files = {name: file_digest(directory / name, "checkpoint file") for name in checkpoint_files(directory)}
+        if base.hub is not None:
+            return {"checkpoint": base.hub["id"], "commit": base.hub["commit"], "files": files}
         return {"checkpoint": os.path.abspath(directory), "files": files}
     return {"checkpoint": None, "model": model_config(evaluator.model),
             "sha256": parameters_digest(evaluator.variables)}
@@ -1032,10 +1040,17 @@ def evaluate_command(argv: List[str]) -> None:
     cfg = parse_options(EvaluatorConfig, argv)
     cfg.validate()
     start_processes(cfg)
-    hf = cfg.ckpt is not None and Path(cfg.ckpt).is_dir() and not Node(cfg.ckpt).is_native
+    base = resolve_checkpoint(cfg.ckpt, say_on_process_0) if cfg.ckpt else None  # a hub id: its snapshot
+    hf = base is not None and Path(base.path).is_dir() and not base.is_native
     cls = BackboneEvaluate if hf else Evaluate
     spec = ExecutionSpec(name=cls.KEY, out_dir=cfg.out, mesh=cfg.mesh, seed=cfg.seed, cfg=cfg)
-    cls(spec, Node(cfg.ckpt) if cfg.ckpt else None).run()
+    cls(spec, base).run()
+
+
+def say_on_process_0(line: str) -> None:
+    """A note that even --quiet prints (which model a name meant): once, by process 0."""
+    if jax.process_index() == 0:
+        print(line, file=sys.stderr)
 
 
 def main(argv: List[str]) -> int:

@@ -3386,6 +3386,99 @@ def test_bad_huggingface_directories_are_refused(hf_gpt2, tmp_path):
                            devices=1), "vocab_size must be a positive integer", out=tmp_path / "o")
 
 
+def hub_cache(cache, repo, snapshots, refs):
+    """A HuggingFace cache as huggingface_hub writes it: models--ORG--NAME/blobs/ holding each
+    file once by its hash, snapshots/COMMIT/NAME linking to them, refs/REF holding a commit.
+    `snapshots`: {commit: directory whose files it holds}."""
+    root = cache / ("models--" + repo.replace("/", "--"))
+    for commit, directory in snapshots.items():
+        for source in sorted(Path(directory).rglob("*")):
+            if source.is_file():
+                data = source.read_bytes()
+                blob = root / "blobs" / hashlib.sha256(data).hexdigest()
+                blob.parent.mkdir(parents=True, exist_ok=True)
+                blob.write_bytes(data)
+                link = root / "snapshots" / commit / source.relative_to(directory)
+                link.parent.mkdir(parents=True, exist_ok=True)
+                link.symlink_to(os.path.relpath(blob, link.parent))
+    for ref, commit in refs.items():
+        (root / "refs" / ref).parent.mkdir(parents=True, exist_ok=True)
+        (root / "refs" / ref).write_text(commit)  # no newline, as huggingface_hub writes it
+    return root
+
+
+MAIN, TAGGED, SHARDED = "a" * 40, "b" * 40, "c" * 40  # commits
+
+
+def test_hub_ids_resolve_offline_through_the_cache(hf_gpt2, tmp_path, monkeypatch):
+    """ORG/NAME at a branch, a tag, a commit, from a cache laid out here (HF_HUB_OFFLINE=1,
+    as everywhere in the suite); a revision not cached, a snapshot missing a shard its index
+    names and an incomplete listing each refused in one line; a local directory of the same
+    name wins and says so; the download fetches no pickle and no code."""
+    sharded = tmp_path / "sharded"
+    shutil.copytree(hf_gpt2, sharded)
+    (sharded / "model.safetensors").rename(sharded / "model-00001-of-00002.safetensors")
+    names = list(load_file(sharded / "model-00001-of-00002.safetensors"))
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        n: f"model-0000{1 + i % 2}-of-00002.safetensors" for i, n in enumerate(names)}}))
+    cache = tmp_path / "cache"
+    root = hub_cache(cache, "org/tiny", {MAIN: hf_gpt2, TAGGED: hf_gpt2, SHARDED: sharded},
+                     {"main": MAIN, "v1": TAGGED, "refs/pr/1": SHARDED})
+    monkeypatch.setattr(hf.hub_constants, "HF_HUB_CACHE", str(cache))
+    assert hf.huggingface_hub.constants.HF_HUB_OFFLINE  # set at the top of this file, before any import
+    for text, commit, revision in [("org/tiny", MAIN, "main"), ("org/tiny@main", MAIN, "main"),
+                                   ("org/tiny@v1", TAGGED, "v1"), (f"org/tiny@{TAGGED}", TAGGED, TAGGED)]:
+        node = hf.resolve_checkpoint(text)
+        assert node.hub == {"id": "org/tiny", "revision": revision, "commit": commit}, text
+        assert Path(node.path) == root / "snapshots" / commit and not node.is_native
+    refused = {"org/tiny@v2": "no snapshot of revision 'v2'", "org/other": "HF_HUB_OFFLINE=1",
+               "org/tiny@refs/pr/1": "lacks model-00002-of-00002.safetensors, which model.safetensors.index.json"}
+    for text, needle in refused.items():
+        with pytest.raises(UsageError, match=re.escape(needle)):
+            hf.resolve_checkpoint(text)
+    # huggingface_hub's own listing of a commit (what it wrote when it downloaded it), checked offline
+    from huggingface_hub._tree_cache import TreeCacheEntry, write_tree_cache
+    write_tree_cache(str(root), MAIN, {name: TreeCacheEntry(size=1, blob_id="0" * 40)
+                                       for name in ["config.json", "model.safetensors", "extra.safetensors"]})
+    with pytest.raises(UsageError, match="incomplete.*extra.safetensors"):
+        hf.resolve_checkpoint("org/tiny")
+    said = []
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(hf_gpt2, tmp_path / "org" / "tiny")
+    assert hf.resolve_checkpoint("org/tiny", said.append) == jobs.Node("org/tiny")
+    assert len(said) == 1 and "the local directory" in said[0]
+    assert hf.resolve_checkpoint("org", said.append) == jobs.Node("org") and len(said) == 1  # no hub id
+    from huggingface_hub.utils import filter_repo_objects  # what snapshot_download fetches of a listing
+    listing = ["config.json", "generation_config.json", "model.safetensors", "model-00001-of-00002.safetensors",
+               "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json", "merges.txt",
+               "chat_template.jinja", "additional_chat_templates/tools.jinja", "pytorch_model.bin",
+               "pytorch_model.bin.index.json", "training_args.pt", "modeling_tiny.py", "tokenization_tiny.py",
+               "model.onnx", "README.md", "flax_model.msgpack", "tf_model.h5", "original/consolidated.pth"]
+    fetched = set(filter_repo_objects(listing, allow_patterns=hf.HUB_FILES))
+    assert fetched == set(listing[:10])
+
+
+def test_a_hub_id_scores_as_its_snapshot_and_records_its_commit(hf_gpt2, tmp_path):
+    """--ckpt ORG/NAME through an offline cache gives the snapshot directory's scores; the
+    commit goes into results.json and the fingerprint, so a branch that moved is another run."""
+    cache = tmp_path / "cache"
+    other = with_config(hf_gpt2, tmp_path / "other", layer_norm_epsilon=1e-3)
+    root = hub_cache(cache, "org/tiny", {MAIN: hf_gpt2, TAGGED: other}, {"main": MAIN})
+    args = ["--evals", "grammar", "--limit", "4"]
+    by_name, by_path, moved = cli_many(
+        ["--ckpt", "org/tiny", *args, "--out", tmp_path / "a"],
+        ["--ckpt", root / "snapshots" / MAIN, *args, "--out", tmp_path / "b"],
+        {"write": str(root / "refs" / "main"), "text": TAGGED},
+        ["--ckpt", "org/tiny@main", *args, "--out", tmp_path / "a"], env={"HF_HUB_CACHE": str(cache)})
+    assert by_name.returncode == 0 and by_path.returncode == 0, (by_name.stderr, by_path.stderr)
+    named, direct = (json.loads((tmp_path / d / "results.json").read_text()) for d in "ab")
+    assert named["results"] == direct["results"] and named["metrics"] == direct["metrics"]
+    assert named["hub"] == {"id": "org/tiny", "revision": "main", "commit": MAIN} and direct["hub"] is None
+    assert named["fingerprint"]["model"]["commit"] == MAIN and named["checkpoint"] == "org/tiny"
+    assert named["fingerprint"]["model"]["files"] == direct["fingerprint"]["model"]["files"]
+    assert_usage_error(moved, "holds another run", "model.commit: 'aaaa")
+
+
 def test_bad_dataset_lines_are_refused_naming_file_and_line(ckpt, tmp_path):
     """What JSON lets through but no evaluation can use: nesting too deep, integers too long
     to read, lone surrogates (no tokenizer encodes them), empty multiple-choice choices."""
