@@ -3253,6 +3253,111 @@ def test_an_interrupted_run_resumes_and_ends_as_an_uninterrupted_one(ckpt, tmp_p
     assert sorted(files_of(out)) == ["results.json", "samples.jsonl"]  # the kept results are gone
 
 
+FINGERPRINT = {"model": {"checkpoint": "org/tiny", "commit": "a" * 40, "files": {}}, "datasets": {"docs": {"sha256": "1"}},
+               "options": {"seed": 0}}
+
+
+def test_the_journal_keeps_whole_records_of_its_own_fingerprint_only(tmp_path):
+    """Records cut short or failing their checksum end what is read (and are cut off before
+    the next append); a journal of another option, data byte or revision is never read."""
+    spec = jobs.ExecutionSpec("gpt/evaluate", out_dir=str(tmp_path))
+    path = spec.path(evaluate.JOURNAL_FILE)
+    journal = evaluate.Journal(spec, FINGERPRINT)
+    journal.append("docs", 0, [{"score": 1.0}])
+    journal.append("docs", 32, [{"score": 2.0}, {"score": 3.0}])
+    journal.close()
+    whole = path.read_bytes()
+    path.write_bytes(whole + evaluate.frame(b'{"eval": "docs", "start": 64, "records": []}')[:-5])  # a kill mid-append
+    journal = evaluate.Journal(spec, FINGERPRINT)
+    assert journal.pieces == {("docs", 0): [{"score": 1.0}], ("docs", 32): [{"score": 2.0}, {"score": 3.0}]}
+    assert path.read_bytes() == whole and journal.get("docs", 32, 2) and journal.get("docs", 32, 3) is None
+    journal.close()
+    path.write_bytes(whole.replace(b"3.0", b"4.0"))  # a changed byte fails its record's checksum
+    assert list(evaluate.Journal(spec, FINGERPRINT).pieces) == [("docs", 0)]
+    for where, value in [("options", {"seed": 1}), ("datasets", {"docs": {"sha256": "2"}}),
+                         ("model", {**FINGERPRINT["model"], "commit": "b" * 40})]:
+        path.write_bytes(whole)
+        assert evaluate.journal_holds(path, FINGERPRINT)
+        assert evaluate.Journal(spec, {**FINGERPRINT, where: value}).pieces == {}, where
+        assert not evaluate.journal_holds(path, FINGERPRINT)  # replaced by the other run's
+
+
+# `python evaluate.py ARGS` killed (os._exit, as SIGKILL leaves it) at a chosen point: "between"
+# pieces, after the AFTER-th is journaled; "torn", halfway through writing the AFTER-th; "final",
+# once every piece is journaled, before results.json is written.
+KILLER = r"""
+import json, os, sys
+import evaluate
+mode, after, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+append, appended = evaluate.Journal.append, []
+
+def append_then_kill(self, name, start, records):
+    appended.append(start)
+    if mode == "torn" and len(appended) == after:
+        record = evaluate.frame(json.dumps({"eval": name, "start": start, "records": records}).encode())
+        os.write(self.fd, record[:len(record) // 2])
+        os._exit(9)
+    append(self, name, start, records)
+    if mode == "between" and len(appended) == after:
+        os._exit(9)
+
+evaluate.Journal.append = append_then_kill
+if mode == "final":
+    evaluate.Evaluator.write_results = lambda *args: os._exit(9)
+sys.exit(evaluate.main(argv))
+"""
+
+
+def without_timing(out):
+    """results.json less what differs between two runs of one command: the time, and --out."""
+    results = json.loads((Path(out) / "results.json").read_text())
+    del results["seconds"], results["config"]["out"]
+    return results
+
+
+def test_a_killed_run_resumes_from_its_journal_and_ends_as_an_uninterrupted_one(ckpt, tmp_path):
+    """Killed between two pieces, in the middle of journaling one, and after the last one
+    before the final write: the same command computes only the pieces the journal lacks and
+    writes the results.json (less timing) and samples.jsonl of a run never killed, sampled
+    generation included. Records changed in a journal are what a resumed run reports (it
+    reads them), and never what a run of another option reports."""
+    docs = write_jsonl(tmp_path / "docs.jsonl", [{"text": f"the {i} dogs see a cat. " * (1 + i % 9)} for i in range(40)])
+    gen = write_jsonl(tmp_path / "qa.jsonl", [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(36)])
+    args = ["--ckpt", ckpt, "--data", f"ppl:{docs}", "--data", f"gen:{gen}", "--max-new-tokens", "4",
+            "--temperature", "1.0", "--seed", "3", "--log-samples"]  # pieces: ppl 32+8, gen 32+4
+    kills = {"between": 3, "torn": 2, "final": 0}
+    for mode, after in kills.items():
+        proc = subprocess.run([sys.executable, "-c", KILLER, mode, str(after), *map(str, args), "--out",
+                               str(tmp_path / mode)], capture_output=True, text=True, env=driver_env(), cwd=ROOT)
+        assert proc.returncode == 9, proc.stderr[-2000:]
+        assert not (tmp_path / mode / "results.json").exists()
+    tampered = tmp_path / "tampered"
+    shutil.copytree(tmp_path / "between", tampered)
+    journal = tampered / evaluate.JOURNAL_FILE
+    payloads, _ = evaluate.read_frames(journal.read_bytes())
+    for payload in payloads[1:]:  # ppl's pieces, which .resume.json holds whole too, and gen's first
+        if payload["eval"] == "qa":
+            for record in payload["records"]:
+                record["output"] = "journaled"
+    journal.write_bytes(b"".join(evaluate.frame(json.dumps(p).encode()) for p in payloads))
+    shutil.copytree(tampered, tmp_path / "other")
+    other = [a if a != "3" else "4" for a in args]  # --seed 4
+    *resumed, whole, reused, not_reused, other_whole = cli_many(
+        *(args + ["--out", tmp_path / mode] for mode in kills), args + ["--out", tmp_path / "whole"],
+        args + ["--out", tampered], other + ["--out", tmp_path / "other"], other + ["--out", tmp_path / "other-whole"])
+    for (mode, pieces), proc in zip({"between": 3, "torn": 1, "final": 4}.items(), resumed):
+        assert proc.returncode == 0 and f"resuming: {pieces} piece(s)" in proc.stderr, (mode, proc.stderr[-2000:])
+        assert without_timing(tmp_path / mode) == without_timing(tmp_path / "whole"), mode
+        assert files_of(tmp_path / mode)["samples.jsonl"] == files_of(tmp_path / "whole")["samples.jsonl"], mode
+        assert sorted(files_of(tmp_path / mode)) == ["results.json", "samples.jsonl"], mode  # the journal is gone
+    assert reused.returncode == 0 and not_reused.returncode == 0 and other_whole.returncode == 0
+    outputs = [json.loads(line).get("output") for line in (tampered / "samples.jsonl").read_text().splitlines()]
+    assert outputs[40:] == ["journaled"] * 32 + [json.loads(line)["output"] for line in
+                                                 (tmp_path / "whole" / "samples.jsonl").read_text().splitlines()[72:]]
+    assert "resuming" not in not_reused.stderr
+    assert without_timing(tmp_path / "other") == without_timing(tmp_path / "other-whole")
+
+
 def test_results_and_samples_are_replaced_together_or_not_at_all(ckpt, tmp_path):
     """A full disk (file size capped) while writing samples.jsonl, then while writing
     results.json: the previous pair stays as it was, the error names the file, and no
