@@ -38,8 +38,8 @@ from inference import (MIN_TEMPERATURE, GenerationRequest, InferenceJob, Request
                        per_document)
 from jobs import (MAX_SEED, ByteTokenizer, ExecutionSpec, HFTokenizer, Node, UsageError, builtin_items,
                   checkpoint_files, exit_status, file_digest, is_checkpoint_file, is_eval_item, job, load_checkpoint,
-                  load_tokenizer, model_config, open_regular, option, parse_options, read_json, short, to_host,
-                  write_atomic)
+                  load_tokenizer, model_config, open_regular, option, parse_options, read_json, short,
+                  signals_held, to_host, write_atomic)
 from tasks import LM_EVAL, check_task_options, run_tasks
 
 
@@ -966,7 +966,8 @@ class Journal:
             write_atomic(path, data)
             end = len(data)
         self.fd = os.open(path, os.O_WRONLY)
-        os.ftruncate(self.fd, end)  # a record cut short by a kill, dropped before any other follows
+        if end < len(data):
+            os.ftruncate(self.fd, end)  # a record cut short by a kill, dropped before any other follows
         os.lseek(self.fd, end, os.SEEK_SET)
         return data[:end]
 
@@ -982,9 +983,10 @@ class Journal:
             return
         left = memoryview(frame(json.dumps({"eval": name, "start": start, "records": records}).encode()))
         try:
-            while left:
-                left = left[os.write(self.fd, left):]
-            os.fsync(self.fd)
+            with signals_held():  # Ctrl-C and SIGTERM wait for the record; SIGKILL cuts it (read_frames)
+                while left:
+                    left = left[os.write(self.fd, left):]
+                os.fsync(self.fd)
         except OSError as e:  # a full disk: the error names the journal
             raise OSError(e.errno, e.strerror, str(self.spec.path(JOURNAL_FILE))) from None
 

@@ -3038,7 +3038,7 @@ def test_interrupted_run_leaves_previous_results_or_none(ckpt, tmp_path, sig, pr
         assert proc.returncode == 130 and err.strip().splitlines()[-1].startswith("interrupted"), err
         assert "Traceback" not in err
     files = sorted(p.name for p in out.iterdir()) if out.exists() else []
-    left = [".lock"] if sig == signal.SIGKILL else []  # unlocked: the next run takes it, and removes it
+    left = [".journal"] + ([".lock"] if sig == signal.SIGKILL else [])  # the pieces finished; an unlocked lock
     assert files == left + ([] if previous is None else ["results.json"]), files  # no temporary left
     if previous is not None:
         assert (out / "results.json").read_bytes() == previous
@@ -3371,13 +3371,19 @@ def test_results_and_samples_are_replaced_together_or_not_at_all(ckpt, tmp_path)
     assert samples < results  # so a cap between the two sizes fails only results.json
     shutil.copytree(out, tmp_path / "o2")
     other = run + ["--limit", "2"]  # fewer samples: a replaced samples.jsonl would show
+    # its journal whole (a run killed before its final write), so that only the final write meets the cap
+    killed = subprocess.run([sys.executable, "-c", KILLER, "final", "0", *map(str, other), "--log-samples", "--out",
+                             str(tmp_path / "killed")], capture_output=True, text=True, env=driver_env(), cwd=ROOT)
+    assert killed.returncode == 9, killed.stderr[-2000:]
+    journal = (tmp_path / "killed" / evaluate.JOURNAL_FILE).read_bytes()
+    (out / evaluate.JOURNAL_FILE).write_bytes(journal)
     no_room_for_samples, no_room_for_results, no_samples = cli_many(
         {"fsize": samples // 4}, other + ["--log-samples", "--out", out],
         {"fsize": (samples + results) // 2}, other + ["--log-samples", "--out", out],
         {"fsize": None}, other + ["--out", tmp_path / "o2"], compile_cache=False)
     assert_usage_error(no_room_for_samples, "File too large", str(out / "samples.jsonl"))
     assert_usage_error(no_room_for_results, "File too large", str(out / "results.json"))
-    assert files_of(out) == pair
+    assert files_of(out) == {**pair, evaluate.JOURNAL_FILE: journal}
     assert no_samples.returncode == 0 and sorted(files_of(tmp_path / "o2")) == ["results.json"]
 
 
@@ -3771,7 +3777,7 @@ def test_a_run_reads_what_it_checked_and_writes_only_its_out(ckpt, hf_gpt2, tmp_
     assert {k: results["fingerprint"]["datasets"]["appended"][k] for k in checked} == checked
     assert_usage_error(again, "holds another run", "datasets.appended.bytes")
     assert_usage_error(changed, f"{rewritten} changed while this run read it", out=tmp_path / "r")
-    assert sorted(files_of(tmp_path / "r")) == [".resume.json"]  # grammar kept, for the next try
+    assert sorted(files_of(tmp_path / "r")) == [".journal", ".resume.json"]  # grammar kept, for the next try
     assert inside.returncode == 0 and elsewhere.returncode == 0, (inside.stderr[-2000:], elsewhere.stderr[-2000:])
     fingerprints = [json.loads((d / "results.json").read_text())["fingerprint"]["model"]
                     for d in (model / "tokenizer_eval", tmp_path / "elsewhere")]
@@ -3852,7 +3858,8 @@ def test_signals_between_paired_writes_and_a_second_run_into_the_same_out(ckpt, 
         assert proc.returncode == 143 and err.strip().splitlines() == ["terminated: nothing partial was written"], err
     assert holder.startswith(f"pid {between.pid} on ")
     assert_usage_error(second, f"another run is writing to {cut} (pid {between.pid} on", "choose another --out")
-    assert files_of(made) == previous  # the previous pair, the killed run's temporary removed
+    made_files = files_of(made)
+    assert made_files.pop(evaluate.JOURNAL_FILE) and made_files == previous  # the previous pair, and the journal
     results = json.loads((cut / "results.json").read_text())
     samples = (cut / "samples.jsonl").read_text().splitlines()
     assert sorted(files_of(cut)) == ["results.json", "samples.jsonl"]  # no temporary, no lock
