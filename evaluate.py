@@ -8,7 +8,8 @@
 Reading order: the four kinds of evaluation (each turns samples into requests for
 inference.InferenceJob and its results into scores) -> the options -> Evaluator (runs the
 evaluations, saves results), Evaluate, BackboneEvaluate -> fingerprint and resume (what a
-run computed; the evaluations an interrupted run finished) -> JSONL datasets and the option
+run computed; the evaluations an interrupted run finished; the journal of the pieces of
+them it finished, which a killed run leaves) -> JSONL datasets and the option
 checks -> the command line. How requests run on the mesh is inference.py; lm-eval's tasks
 are tasks.py; HuggingFace directories are read by hf.py.
 """
@@ -565,7 +566,7 @@ class Evaluator(InferenceJob):
            another run's results are refused unless --force; an interrupted try resumes;
         2. every evaluation not yet finished, each kept in RESUME_FILE as it finishes, and the
            pieces of each in the Journal as they finish;
-        3. --tasks through lm-eval, last and in one piece;
+        3. --tasks through lm-eval, last, its requests journaled in pieces too (tasks.JaxLM);
         4. results.json and samples.jsonl, written together (process 0)."""
         with refused_as_usage(), out_dir_held(self.spec):  # no other run writes there meanwhile
             fingerprint = run_fingerprint(self)  # 1
@@ -581,7 +582,7 @@ class Evaluator(InferenceJob):
                     self.say(f"resuming: {len(journal.pieces)} piece(s) of "
                              f"{', '.join(dict.fromkeys(name for name, _ in journal.pieces))} from the journal")
                 results = self.run_evaluations(previous.kept, fingerprint, journal)  # 2
-                tasks = run_tasks(self, self.spec, self.cfg, self.say) if self.cfg.tasks else {}  # 3
+                tasks = run_tasks(self, self.spec, self.cfg, self.say, journal) if self.cfg.tasks else {}  # 3
             finally:
                 journal.close()
             if self.spec.is_main:  # 4
@@ -971,12 +972,16 @@ class Journal:
         os.lseek(self.fd, end, os.SEEK_SET)
         return data[:end]
 
-    def get(self, name: str, start: int, count: int) -> Optional[List[Dict[str, Any]]]:
+    @staticmethod
+    def piece_size(count: int) -> int:
+        return journal_piece(count)
+
+    def get(self, name: str, start: int, count: int) -> Optional[List[Any]]:
         """The records of the piece of `count` samples from `start`, if journaled whole."""
         records = self.pieces.get((name, start))
         return records if isinstance(records, list) and len(records) == count else None
 
-    def append(self, name: str, start: int, records: List[Dict[str, Any]]) -> None:
+    def append(self, name: str, start: int, records: List[Any]) -> None:
         """A finished piece, on disk (fsync) before the run goes on (process 0)."""
         self.pieces[(name, start)] = records
         if self.fd is None:

@@ -3358,6 +3358,41 @@ def test_a_killed_run_resumes_from_its_journal_and_ends_as_an_uninterrupted_one(
     assert without_timing(tmp_path / "other") == without_timing(tmp_path / "other-whole")
 
 
+@pytest.mark.skipif(tasks.lm_eval is None, reason=f"needs {tasks.LM_EVAL}")
+def test_a_killed_lm_eval_run_resumes_from_its_journal(ckpt, tmp_path):
+    """--tasks journals lm-eval's requests piece by piece too: killed after some pieces, the
+    same command reads them back, computes the rest, and reports what a run never killed
+    reports (log-likelihoods and sampled generations), its samples included."""
+    task_dir = tmp_path / "tasks"
+    task_dir.mkdir()
+    qa = write_jsonl(tmp_path / "qa.jsonl", [{"q": f"{i} + {i} =", "a": f" {2 * i}"} for i in range(50)])
+    for name, fields in [("choose", {"output_type": "multiple_choice", "doc_to_choice": ["{{a}}", " no"],
+                                     "doc_to_target": 0, "metric_list": [{"metric": "acc"}]}),
+                         ("sample", {"output_type": "generate_until", "doc_to_target": "a",
+                                     "metric_list": [{"metric": "exact_match"}],
+                                     "generation_kwargs": {"until": ["\n"], "do_sample": True, "temperature": 1.0,
+                                                           "max_gen_toks": 3}})]:
+        (task_dir / f"{name}.yaml").write_text(json.dumps(
+            {"task": name, "dataset_path": "json", "dataset_name": None, "test_split": "test",
+             "dataset_kwargs": {"data_files": {"test": str(qa)}}, "doc_to_text": "q", **fields}))
+    args = ["--ckpt", ckpt, "--tasks", "choose,sample", "--include-path", task_dir, "--log-samples"]
+    killed = subprocess.run([sys.executable, "-c", KILLER, "between", "3", *map(str, args), "--out",
+                             str(tmp_path / "killed")], capture_output=True, text=True, env=driver_env(), cwd=ROOT)
+    assert killed.returncode == 9, killed.stderr[-2000:]
+    resumed, whole = cli_many(args + ["--out", tmp_path / "killed"], args + ["--out", tmp_path / "whole"])
+    assert resumed.returncode == 0 and "resuming: 3 piece(s) of lm-eval" in resumed.stderr, resumed.stderr[-2000:]
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    runs = {d: without_timing(tmp_path / d) for d in ("whole", "killed")}
+    for key in ("results", "stderr", "n_samples"):
+        assert runs["whole"][key] == runs["killed"][key], key
+    for task in ("choose", "sample"):  # lm-eval's samples files, each run's own (their names hold a time)
+        lines = [[{k: json.loads(line)[k] for k in ("doc_id", "resps", "filtered_resps")}
+                  for line in (tmp_path / d / run["lm_eval"]["samples"][task]).read_text().splitlines()]
+                 for d, run in runs.items()]
+        assert lines[0] == lines[1] and len(lines[0]) == 50, task
+    assert not (tmp_path / "killed" / evaluate.JOURNAL_FILE).exists()
+
+
 def test_results_and_samples_are_replaced_together_or_not_at_all(ckpt, tmp_path):
     """A full disk (file size capped) while writing samples.jsonl, then while writing
     results.json: the previous pair stays as it was, the error names the file, and no
