@@ -951,7 +951,7 @@ class Journal:
         if jax.process_count() > 1:
             data = broadcast_bytes(data)
         payloads, _ = read_frames(data)
-        self.pieces = {(p["eval"], p["start"]): p["records"] for p in payloads[1:]}
+        self.pieces = {(p.get("eval"), p.get("start")): p for p in payloads[1:] if isinstance(p, dict)}
 
     def _open(self, fingerprint: Dict[str, Any]) -> bytes:
         """Open the journal for appending, this run's (cut after its last whole record) or a
@@ -976,17 +976,22 @@ class Journal:
     def piece_size(count: int) -> int:
         return journal_piece(count)
 
-    def get(self, name: str, start: int, count: int) -> Optional[List[Any]]:
-        """The records of the piece of `count` samples from `start`, if journaled whole."""
-        records = self.pieces.get((name, start))
+    def get(self, name: str, start: int, count: int, requests: Optional[str] = None) -> Optional[List[Any]]:
+        """The records of the piece of `count` samples from `start`, if journaled whole (and,
+        where the piece was journaled with its `requests` digest, for the same requests)."""
+        piece = self.pieces.get((name, start))
+        if piece is None or piece.get("requests") != requests:
+            return None
+        records = piece["records"]
         return records if isinstance(records, list) and len(records) == count else None
 
-    def append(self, name: str, start: int, records: List[Any]) -> None:
+    def append(self, name: str, start: int, records: List[Any], requests: Optional[str] = None) -> None:
         """A finished piece, on disk (fsync) before the run goes on (process 0)."""
-        self.pieces[(name, start)] = records
+        piece = {"eval": name, "start": start, "records": records, **({"requests": requests} if requests else {})}
+        self.pieces[(name, start)] = piece
         if self.fd is None:
             return
-        left = memoryview(frame(json.dumps({"eval": name, "start": start, "records": records}).encode()))
+        left = memoryview(frame(json.dumps(piece).encode()))
         try:
             with signals_held():  # Ctrl-C and SIGTERM wait for the record; SIGKILL cuts it (read_frames)
                 while left:

@@ -153,19 +153,19 @@ class JaxLM(TemplateLM):
 
     def in_pieces(self, kind: str, requests: List[Any], answer: Callable[[List[Any]], List[Any]]) -> List[Any]:
         """answer(requests), piece by piece through the journal where there is one (each
-        piece named by its requests' hash, so only the very same requests reuse it), every
-        computed answer handed to lm-eval's cache hook."""
+        piece with lm-eval's hash of its requests, so only the very same requests reuse it),
+        every computed answer handed to lm-eval's cache hook."""
         if self.journal is None:
             return self.hooked(kind, requests, answer(requests))
         answers, size = [], self.journal.piece_size(len(requests))
         for start in range(0, len(requests), size):
             piece = requests[start:start + size]
-            name = f"lm-eval {kind} {hash_args(kind, [request.args for request in piece])}"
-            kept = self.journal.get(name, start, len(piece))
+            name, digest = f"lm-eval {kind}", hash_args(kind, [request.args for request in piece])
+            kept = self.journal.get(name, start, len(piece), digest)
             if kept is None:
                 self.first = start
                 kept = self.hooked(kind, piece, answer(piece))
-                self.journal.append(name, start, kept)
+                self.journal.append(name, start, kept, digest)
             answers += [tuple(a) if isinstance(a, list) else a for a in kept]  # JSON keeps (logprob, greedy) as a list
         self.first = 0
         return answers

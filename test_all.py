@@ -3269,8 +3269,8 @@ def test_the_journal_keeps_whole_records_of_its_own_fingerprint_only(tmp_path):
     whole = path.read_bytes()
     path.write_bytes(whole + evaluate.frame(b'{"eval": "docs", "start": 64, "records": []}')[:-5])  # a kill mid-append
     journal = evaluate.Journal(spec, FINGERPRINT)
-    assert journal.pieces == {("docs", 0): [{"score": 1.0}], ("docs", 32): [{"score": 2.0}, {"score": 3.0}]}
-    assert path.read_bytes() == whole and journal.get("docs", 32, 2) and journal.get("docs", 32, 3) is None
+    assert journal.get("docs", 0, 1) == [{"score": 1.0}] and journal.get("docs", 32, 2) == [{"score": 2.0}, {"score": 3.0}]
+    assert path.read_bytes() == whole and journal.get("docs", 32, 3) is None and journal.get("docs", 64, 0) is None
     journal.close()
     path.write_bytes(whole.replace(b"3.0", b"4.0"))  # a changed byte fails its record's checksum
     assert list(evaluate.Journal(spec, FINGERPRINT).pieces) == [("docs", 0)]
@@ -3291,13 +3291,13 @@ import evaluate
 mode, after, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 append, appended = evaluate.Journal.append, []
 
-def append_then_kill(self, name, start, records):
+def append_then_kill(self, name, start, records, requests=None):
     appended.append(start)
     if mode == "torn" and len(appended) == after:
         record = evaluate.frame(json.dumps({"eval": name, "start": start, "records": records}).encode())
         os.write(self.fd, record[:len(record) // 2])
         os._exit(9)
-    append(self, name, start, records)
+    append(self, name, start, records, requests)
     if mode == "between" and len(appended) == after:
         os._exit(9)
 
