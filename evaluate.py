@@ -35,7 +35,7 @@ from jax.experimental import multihost_utils
 
 import gpt
 from hf import load_backbone, resolve_checkpoint  # load_backbone: the reference API has it here too
-from inference import (MIN_TEMPERATURE, GenerationRequest, InferenceJob, RequestError, Request, Scored,
+from inference import (MIN_TEMPERATURE, GenerationRequest, InferenceJob, PlanError, RequestError, Request, Scored,
                        per_document)
 from jobs import (MAX_SEED, ByteTokenizer, ExecutionSpec, HFTokenizer, Node, UsageError, builtin_items,
                   checkpoint_files, exit_status, file_digest, is_checkpoint_file, is_eval_item, job, load_checkpoint,
@@ -469,10 +469,12 @@ class Parts(NamedTuple):
 @contextlib.contextmanager
 def refused_as_usage() -> Iterator[None]:
     """The inference core's RequestError (a request longer than the context, a batch beyond
-    memory) is the user's input: one line and exit 2, like every UsageError."""
+    memory) is the user's input: one line and exit 2, like every UsageError. Its PlanError
+    (a size it planned that does not hold) is a bug, but still one line naming the document,
+    never a traceback from deep in numpy."""
     try:
         yield
-    except RequestError as e:
+    except (RequestError, PlanError) as e:
         raise UsageError(str(e)) from None
 
 

@@ -40,6 +40,17 @@ class RequestError(ValueError):
     memory): the caller's input, reported as such, not a bug."""
 
 
+class PlanError(RuntimeError):
+    """A size the fast path planned that does not hold (a bug, never the input): raised
+    where the size is made, naming a request of the document it concerns, so that it ends
+    as one line, not as a broadcast error deep in numpy or a silently wrong score."""
+
+
+def check_plan(holds: bool, doc: int, what: str) -> None:
+    if not holds:
+        raise PlanError(f"internal error at document {doc}: {what}; please report it with the input")
+
+
 # The lowest sampling temperature besides 0 (greedy): logits / T overflows float32 long before
 # T reaches its smallest values (1e-38 and 1e-40 gave garbage), and below 1e-6 sampling is
 # greedy decoding in all but name (a logit gap of 1e-4 already makes the runner-up e^-100 as likely)
@@ -207,7 +218,10 @@ def make_pack(prefix: List[int], contexts: List[Context]) -> Pack:
 
     for q, context in enumerate(contexts, 1):
         add(context.own, len(prefix), q, 0)
-        last, start = len(tokens) - 1, len(prefix) + len(context.own)  # the context's last token
+        # the context's last token: its own last one, or the prefix's where the context is the
+        # prefix alone (not the row's last token so far, another context's)
+        last = len(tokens) - 1 if context.own else len(prefix) - 1
+        start = len(prefix) + len(context.own)
         for k, (r, tail) in enumerate(context.members, 1):
             predictors = [last] + list(range(len(tokens), len(tokens) + len(tail)))
             scored += [(where, target, len(requests)) for where, target in zip(predictors, r.continuation)]
@@ -338,6 +352,10 @@ def scored_slots(packs: List[Pack], shares: int, per_share: int, length: int,
         n = counts[share]
         if p.scored:
             m, (w, t, k) = len(p.scored), np.array(p.scored).T
+            check_plan(n + m <= per_share * width, p.requests[0].doc,
+                       f"{n + m} scored tokens in a share of {per_share} rows of {width} scored slots")
+            check_plan(w.max() < len(p.tokens) <= length, p.requests[0].doc,
+                       f"a pack of {len(p.tokens)} tokens scored at token {w.max()}, in rows of {length}")
             where[share, n:n + m], targets[share, n:n + m] = (i % per_share) * length + w, t
             owner[share, n:n + m], counts[share] = first + k, n + m
         first += len(p.requests)
@@ -400,6 +418,17 @@ def padded_length(n: int, cap: int) -> int:
     are at most 8 lengths per octave (so few shapes, so few compilations)."""
     step = max(16, (1 << max(n - 1, 0).bit_length()) // 16)
     return min(cap, -(-max(n, 1) // step) * step)
+
+
+def scored_width(most: int, length: int) -> int:
+    """Scored slots per row of a block whose rows hold at most `most` scored tokens in
+    `length` token slots: the next power of two (at least 16), but no more than the length
+    where that holds them (a slot unembedded for nothing costs a fraction of a token's
+    pass). A row can hold more scored tokens than tokens: one-token continuations add a
+    scored slot each and no token (six contexts under one prefix, three one-token choices
+    each: 18 scored in 8 tokens)."""
+    width = 1 << max(most - 1, 15).bit_length()
+    return min(width, length) if most <= length else width
 
 
 def is_argmax(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
@@ -577,8 +606,7 @@ class InferenceJob:
 
     def batch_shapes(self, sizes: List[Tuple[int, ...]], cap: int) -> List[Tuple[int, int, Tuple[int, ...]]]:
         """(start, rows, shape) of each batch: its longest row's padded_length, and in any
-        other dimension (scored slots) the next power of two, at most that length (a slot
-        unembedded for nothing costs a fraction of a token's pass). A batch that would be
+        other dimension (scored slots) scored_width. A batch that would be
         alone in its shape takes the shape of the batch before it when that is at most a
         quarter longer: tracing and compiling a 30-layer model takes 2-3 s on a CPU, as long
         as computing some 2,000 tokens, so for a small dataset a little padding is cheaper.
@@ -587,7 +615,7 @@ class InferenceJob:
         for start in range(0, len(sizes), self.batch_size):
             batch = sizes[start:start + self.batch_size]
             length = padded_length(max(size[0] for size in batch), cap)
-            others = tuple(min(length, 1 << max(max(dims) - 1, 15).bit_length()) for dims in list(zip(*batch))[1:])
+            others = tuple(scored_width(max(dims), length) for dims in list(zip(*batch))[1:])
             batches.append((start, len(batch), (length, *others)))
         alone = collections.Counter(shape for _, _, shape in batches)
         for i in range(1, len(batches)):
@@ -780,6 +808,7 @@ class InferenceJob:
         """One block of packs [chunks, rows, length], `width` scored slots per row: each
         pack's requests' Scored. A block with nothing packed runs plain causal rows."""
         n, packed = chunks * rows, any(len(p.requests) > 1 for p in packs)
+        check_plan(len(packs) <= n, packs[-1].requests[0].doc, f"{len(packs)} packs in a block of {n} rows")
         # cuDNN's fused attention (no [T, S] scores in memory) runs only unpacked rows without a
         # soft-cap; else queries go in blocks of gpt.QUERY_BLOCK (gpt.attend_causal)
         fused = gpt.uses_cudnn(self.model.adtype) and self.model.attn_softcap is None and not packed
@@ -858,6 +887,9 @@ class InferenceJob:
         prefix = [] if keep_rows else self.shared_prefix(prompts)  # kept rows are whole prompts
         length = padded_length(len(prompts[0]), room)  # the longest prompt's: every later one fits its slots
         rows = min(self.batch_size, -(-len(queue) // self.dp) * self.dp)
+        for r, p in zip(queue, prompts):  # each prompt, a first row's or a refill's, fits its row's cache slots
+            check_plan(len(p) <= length and p[:len(prefix)] == prefix, r.doc, f"a prompt of {len(p)} tokens in "
+                       f"{length} cache slots, after a shared prefix of {len(prefix)}")
         self.check_memory(rows, length + n_new, 1, length)  # after a shared prefix, over the cache whole
         tokens, mask = self.pad([p[len(prefix):] for p in prompts], length - len(prefix), max(rows, len(queue)), True)
         owner = np.where(np.arange(rows) < len(queue), np.arange(rows), -1)  # each row's request; -1: none
@@ -924,7 +956,7 @@ class InferenceJob:
         the cache holds them once. Empty with a sliding window, which counts slots."""
         if self.model.sliding_window is not None or len(prompts) < 2:
             return []
-        common = min(len(p) for p in prompts) - 1
+        common = max(min(len(p) for p in prompts) - 1, 0)  # an empty prompt shares nothing
         for p in prompts[1:]:
             common = min(common, common_length(prompts[0], p))
         return prompts[0][:common // SHARED_PREFIX_STEP * SHARED_PREFIX_STEP]

@@ -12,6 +12,7 @@ import ast
 import copy
 import dataclasses
 import atexit
+import collections
 import functools
 import hashlib
 import json
@@ -27,6 +28,7 @@ import tempfile
 import time
 import types
 from pathlib import Path
+from unittest import mock
 
 # before jax is imported: 8 host devices, so the mesh tests run on any laptop; and no LLVM
 # optimization, since these tiny programs spend far longer compiling than running (2x faster)
@@ -44,6 +46,8 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 import flax.linen as nn
+import hypothesis
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -1096,6 +1100,280 @@ def test_generation_computes_a_shared_prompt_prefix_once(small, batch, shard, mo
 
     (shared_texts, runs), (whole_texts, _) = texts_and_runs(8), texts_and_runs(1000)
     assert shared_texts == whole_texts and any(r.row_steps < r.rows * r.steps for r in runs)
+
+
+# ---- the fast path against the simplest path: property-based differential tests
+# Every mechanism of inference.py's fast path (contexts shared in a packed row, short packs
+# filling rows, one-token continuations without a row token, a few-shot prefix held once,
+# continuous batching with refills into a ring of cache slots and compaction, stop strings
+# checked between segments, blocks sorted, scheduled and sharded over a mesh) is checked
+# against a reference that has none of them: a request a row in a plain causal forward pass
+# (scoring), a prompt alone through gpt.generate decoded to max_gen_toks and cut afterwards
+# (generation). hypothesis draws the inputs; profile "ci" (the default) is derandomized and
+# short, HYPOTHESIS_PROFILE=long runs FUZZ_LONG times as many examples of each property.
+# Which draw covers which mechanism is said beside each strategy.
+
+FUZZ_PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+FUZZ_LONG = 60
+FUZZ_MESHES = [(1, 1), (4, 2), (2, 4)]
+
+
+def fuzz_settings(examples):
+    return hypothesis.settings(max_examples=examples * (FUZZ_LONG if FUZZ_PROFILE == "long" else 1),
+                               derandomize=FUZZ_PROFILE != "long", deadline=None, database=None,
+                               print_blob=True, suppress_health_check=list(hypothesis.HealthCheck))
+
+
+class Pieces:
+    """A tokenizer whose tokens read as one to three characters (so a stop string can end
+    inside a token or span several) from a five-letter alphabet (so stop strings occur),
+    and whose EOS is a token the model often picks (so rows end at EOS, some at once)."""
+
+    ALPHABET = "ab. \n"
+    bos_token_id = None
+    vocab_size = SMALL["vocab_size"]
+
+    def __init__(self, eos):
+        self.eos_token_id = eos
+
+    def encode(self, text, add_special_tokens=True):
+        return [self.ALPHABET.index(c) for c in text]
+
+    def piece(self, i):
+        a = self.ALPHABET
+        return a[i % 5] + a[i // 5 % 5] * (i // 25 % 2) + a[i // 50 % 5] * (i // 100 % 2)
+
+    def decode(self, ids):
+        return "".join(self.piece(i) for i in ids if i != self.eos_token_id)
+
+
+@functools.lru_cache(maxsize=None)
+def reference_generate(model, n_new, temperature, top_p):
+    """gpt.generate jitted: prompts [16, P] left-padded, each decoded to n_new tokens."""
+    def run(variables, idx, mask, eos, docs, seed):
+        keys = jax.vmap(lambda d: jax.random.fold_in(jax.random.key(seed), d))(docs)
+        return gpt.generate(model, variables, idx, mask, n_new, eos, temperature, top_p, keys)
+    return jax.jit(run)
+
+
+def simple_loglikelihood(small, requests):
+    """Each request alone in a plain causal row (no packing, no sharing, no filling): the
+    last max_len + 1 tokens of context + continuation, less the last, its continuation
+    scored at the last predictions; (logprob, tokens, argmax count) in float64 sums."""
+    model, host = small
+    T, rows = model.block_size, []
+    for r in requests:
+        row = (r.context + r.continuation)[-(T + 1):]
+        rows.append((row[:-1], row[1:], len(r.continuation)))
+    out = []
+    for at in range(0, len(rows), 16):
+        batch = rows[at:at + 16]
+        idx = np.zeros((16, T), np.int32)
+        for b, (inp, _, _) in enumerate(batch):
+            idx[b, :len(inp)] = inp
+        logp = np.asarray(jax.nn.log_softmax(logits_of(model, host, idx).astype(np.float64), -1))
+        for b, (inp, targets, n) in enumerate(batch):
+            where = np.arange(len(inp) - n, len(inp))
+            picked = logp[b, where, np.asarray(targets[len(targets) - n:], int)]
+            greedy = logp[b, where].argmax(-1) == np.asarray(targets[len(targets) - n:])
+            out.append((float(picked.sum()), n, int(greedy.sum())))
+    return out
+
+
+def simple_generate(small, tokenizer, requests, n_new, temperature=0.0, top_p=1.0, seed=0):
+    """Each prompt alone through gpt.generate, decoded to n_new tokens whatever its stop
+    strings, then cut: at EOS (dropped), then through the first token whose text completes
+    a stop string: (text, tokens, truncated) as InferenceJob.generate_until defines them."""
+    model, host = small
+    room, eos = model.block_size - n_new, tokenizer.eos_token_id
+    prompts = [r.prompt[-room:] for r in requests]
+    out = []
+    for at in range(0, len(requests), 16):
+        batch = list(zip(requests[at:at + 16], prompts[at:at + 16]))
+        idx, mask = np.zeros((16, room), np.int32), np.zeros((16, room), bool)
+        for b, (_, p) in enumerate(batch):
+            idx[b, room - len(p):], mask[b, room - len(p):] = p, True
+        docs = np.array([r.doc for r, _ in batch] + [0] * (16 - len(batch)), np.int32)
+        new = np.asarray(reference_generate(model, n_new, temperature, top_p)(host, idx, mask, eos, docs, seed))
+        for b, (r, p) in enumerate(batch):
+            ids = new[b].tolist() if p else []
+            ids = ids[:ids.index(eos)] if eos in ids else ids
+            stops = [s for s in r.until if s]
+            end = next((k for k in range(1, len(ids) + 1) if any(s in tokenizer.decode(ids[:k]) for s in stops)),
+                       len(ids))
+            out.append((inference.cut_at_stop(tokenizer.decode(ids[:end]), r.until), ids[:end],
+                        len(r.prompt) > room))
+    return out
+
+
+@pytest.fixture(scope="module")
+def fuzz(small):
+    """(small, a Pieces tokenizer, job(mesh, batch_size, chunks) -> an InferenceJob, cached
+    so that each shape compiles once per job)."""
+    model, host = small
+    last = np.asarray(logits_of(model, host, tokens((64, 8), vocab=250)))[:, -1]
+    eos = int(np.bincount(last.argmax(-1)).argmax())  # the commonest first greedy token
+    tokenizer = Pieces(int(eos))
+
+    @functools.lru_cache(maxsize=None)
+    def job(mesh, batch_size, chunks):
+        m = mesh_of(*mesh)
+        return inference.InferenceJob(model, gpt.place_params(model, m, host), tokenizer, m, batch_size=batch_size,
+                                      chunks=chunks, quiet=True)
+    return Fuzzed(small, tokenizer, job)
+
+
+class Fuzzed(tuple):
+    """The fuzz fixture, named in a falsifying example by its name, not its parameters."""
+
+    def __new__(cls, *parts):
+        return super().__new__(cls, parts)
+
+    def __repr__(self):
+        return "fuzz"
+
+
+@st.composite
+def token_lists(draw, vocab, min_size=0, max_size=8):
+    return draw(st.lists(st.integers(0, vocab - 1), min_size=min_size, max_size=max_size))
+
+
+@st.composite
+def contexts_alike(draw, count, max_len):
+    """`count` contexts that begin with one random beginning: each shares 0, 1, 2, a few,
+    nearly all or all of its tokens (then it is the others' shared prefix, its own part
+    empty), then a tail of its own; some longer than max_len (cut from the left). A small
+    vocabulary draws equal contexts and prefixes by chance too."""
+    vocab = draw(st.sampled_from([3, 20, 250]))
+    base = draw(token_lists(vocab, 1, 2 * max_len))
+    out = []
+    for _ in range(count):
+        shared = draw(st.sampled_from([0, 1, 2, 8, len(base) - 1, len(base)]))
+        tail = draw(token_lists(vocab, 0, draw(st.sampled_from([0, 4, max_len]))))
+        context = base[:shared] + tail
+        out.append(context or [0])
+    return vocab, out
+
+
+@st.composite
+def loglikelihood_requests(draw, max_len=SMALL["block_size"]):
+    """Contexts alike (shared prefixes), each with 1-4 continuations: one token (a scored
+    slot and no row token), a few, as long as max_len (longer than the context, which is
+    then cut), a repeat of the one before (duplicates); requests in any order."""
+    vocab, contexts = draw(contexts_alike(draw(st.integers(1, 9)), max_len))
+    requests = []
+    for doc, context in enumerate(contexts):
+        for _ in range(draw(st.integers(1, 4))):
+            kind = draw(st.sampled_from(["one", "few", "long", "again"]))
+            if kind == "again" and requests:
+                continuation = requests[-1].continuation
+            else:
+                size = {"one": (1, 1), "few": (2, 6), "long": (7, max_len)}.get(kind, (1, 3))
+                continuation = draw(token_lists(vocab, *size))
+            requests.append(inference.Request(doc, context, continuation))
+    return draw(st.permutations(requests)) if draw(st.booleans()) else requests
+
+
+def assert_scored_alike(got, want):
+    """Log-likelihoods within 1e-5 relative, token counts and is_greedy counts identical."""
+    np.testing.assert_allclose([s.logprob for s in got], [w[0] for w in want], rtol=1e-5, atol=1e-5)
+    assert [(s.tokens, s.correct) for s in got] == [w[1:] for w in want]
+
+
+SIX_HELLOS = [inference.Request(i, list(f"hello {i}".encode()), list(choice.encode()))
+              for i in range(6) for choice in "wcm"]  # 18 one-token choices: more scored slots than tokens
+PREFIX_ALONE = [inference.Request(0, list(b"Q: 1+1=2. Q: 3+3="), list(b"6")),
+                inference.Request(1, list(b"Q: 1+1=2. Q: "), list(b"ok")),  # its neighbours' shared prefix
+                inference.Request(2, list(b"Q: 1+1=2. Q: 4+4="), list(b"8"))]
+
+
+@fuzz_settings(14)
+@hypothesis.given(requests=loglikelihood_requests(), mesh=st.sampled_from(FUZZ_MESHES), batch=st.integers(1, 17),
+                  chunks=st.sampled_from([1, 16]), fill=st.sampled_from([inference.FILL_LENGTH, 24, 1]))
+@hypothesis.example(requests=SIX_HELLOS, mesh=(1, 1), batch=4, chunks=16, fill=inference.FILL_LENGTH)
+@hypothesis.example(requests=PREFIX_ALONE, mesh=(1, 1), batch=4, chunks=16, fill=inference.FILL_LENGTH)
+def test_loglikelihood_equals_a_request_a_row(fuzz, requests, mesh, batch, chunks, fill):
+    """loglikelihood on any mesh, batch size and chunking, with packing, shared prefixes and
+    row filling (rows of `fill` tokens), scores every request as it scores alone."""
+    small, _, job = fuzz
+    with mock.patch.object(inference, "FILL_LENGTH", fill):
+        got = [s for _, s in job(mesh, batch, chunks).loglikelihood(requests)]
+    assert_scored_alike(got, simple_loglikelihood(small, requests))
+
+
+@fuzz_settings(8)
+@hypothesis.given(data=st.data(), mesh=st.sampled_from(FUZZ_MESHES), batch=st.integers(1, 17))
+def test_rolling_loglikelihood_equals_a_window_a_row(fuzz, data, mesh, batch):
+    """Documents of 0 to 3 x max_len tokens, alike or not, scored in rolling windows: each
+    window as it scores alone."""
+    small, tokenizer, job = fuzz
+    max_len = SMALL["block_size"]
+    _, documents = data.draw(contexts_alike(data.draw(st.integers(1, 6)), max_len))
+    documents = [d[:data.draw(st.sampled_from([0, len(d), 3 * max_len]))] for d in documents]
+    got = list(job(mesh, batch, 16).loglikelihood_rolling(documents))
+    windows = [inference.rolling_requests(d, tokenizer.eos_token_id, max_len) or [([tokenizer.eos_token_id], [])]
+               for d in documents]
+    want = simple_loglikelihood(small, [inference.Request(0, c, t) for w in windows for c, t in w])
+    assert [len(g) for g in got] == [len(w) for w in windows]
+    assert_scored_alike([s for g in got for s in g], want)
+
+
+@st.composite
+def generation_prompts(draw, max_len=SMALL["block_size"]):
+    """Prompts alike (for a shared few-shot prefix), each cut to 0 tokens, kept whole, or
+    cut to "room" or "room+1" tokens: at and beyond the room n_new leaves (resolved by
+    at_room)."""
+    _, prompts = draw(contexts_alike(draw(st.integers(1, 12)), max_len))
+    return [(p, draw(st.sampled_from([0, "whole", "room", "room+1"]))) for p in prompts]
+
+
+def at_room(prompts, room):
+    return [p[:{"whole": len(p), "room": room, "room+1": room + 1}.get(cut, cut)] for p, cut in prompts]
+
+
+# each prompt's stop strings: 0-2 of (a piece of its text, from character `at`, 1-4 long;
+# or a string of the alphabet that may or may not occur; or an empty one, which stops nothing)
+STOPS = st.lists(st.lists(st.tuples(st.sampled_from(["text", "\n", ". ", "zz", ""]), st.integers(0, 120),
+                                    st.integers(1, 4)), max_size=2), min_size=12, max_size=12)
+
+
+def stop_strings(specs, text):
+    return tuple(text[at % max(len(text), 1):][:n] or "a" if kind == "text" else kind for kind, at, n in specs)
+
+
+# an empty prompt beside others: their shared prefix was the first one's tokens but the last
+# SHARED_PREFIX_STEP (a slice at -1 // step * step), the other rows decoded after its beginning
+EMPTY_BESIDE_ALIKE = [(list(b"ab. ab. ab."), "whole"), (list(b"b. ab. ab."), "whole"), ([], 0)]
+
+
+@fuzz_settings(10)
+@hypothesis.given(prompts=generation_prompts(), stops=STOPS, mesh=st.sampled_from(FUZZ_MESHES),
+                  batch=st.integers(1, 17), n_new=st.sampled_from([0, 1, 6, 20]),
+                  sampling=st.sampled_from([(0.0, 1.0), (0.8, 0.9)]), seed=st.integers(0, 3), refill=st.booleans(),
+                  prefix_step=st.sampled_from([4, 16, inference.SHARED_PREFIX_STEP]))
+@hypothesis.example(prompts=EMPTY_BESIDE_ALIKE, stops=[[]] * 12, mesh=(1, 1), batch=4, n_new=6,
+                    sampling=(0.0, 1.0), seed=0, refill=True, prefix_step=4)
+def test_generation_equals_a_prompt_alone_decoded_to_the_end(fuzz, prompts, stops, mesh, batch, n_new, sampling,
+                                                             seed, refill, prefix_step):
+    """generate_until, greedy or sampled, with continuous batching (refill) or a batch at a
+    time, a shared few-shot prefix held once (in steps of prefix_step), rows dropped as they
+    end and stop strings checked between segments: the texts and tokens of each prompt alone
+    decoded to n_new tokens and cut afterwards. Prompts alike, empty, at and beyond the
+    room left by n_new; stop strings inside and across tokens, never met, or none; EOS
+    (Pieces') often the first token."""
+    small, tokenizer, job = fuzz
+    temperature, top_p = sampling
+    prompts = at_room(prompts, SMALL["block_size"] - n_new)
+    whole = simple_generate(small, tokenizer, [inference.GenerationRequest(i, p, ()) for i, p in enumerate(prompts)],
+                            n_new, temperature, top_p, seed)
+    requests = [inference.GenerationRequest(i, p, stop_strings(specs, w[0]))
+                for i, (p, w, specs) in enumerate(zip(prompts, whole, stops))]
+    want = simple_generate(small, tokenizer, requests, n_new, temperature, top_p, seed)
+    with mock.patch.object(inference, "REFILL", refill), \
+            mock.patch.object(inference, "SHARED_PREFIX_STEP", prefix_step):
+        got = [(g.text, g.tokens, g.truncated) for _, g in
+               job(mesh, batch, 16).generate_until(requests, n_new, temperature, top_p, seed)]
+    assert got == want
 
 
 def test_checkpoint_round_trip(small, tmp_path):
