@@ -36,8 +36,7 @@ from jobs import ExecutionSpec, UsageError, first_line, short
 try:  # only --tasks needs lm-eval (these parts load in a fraction of a second)
     import jinja2  # a dependency of lm-eval (and of transformers' chat templates)
     import lm_eval
-    from lm_eval.api.model import TemplateLM
-    from lm_eval.api.model import hash_args
+    from lm_eval.api.model import TemplateLM, hash_args
     from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
     from lm_eval.utils import handle_non_serializable, hash_string, make_table, sanitize_list, sanitize_model_name
 except ImportError:
@@ -171,6 +170,8 @@ class JaxLM(TemplateLM):
         return answers
 
     def hooked(self, kind: str, requests: List[Any], answers: List[Any]) -> List[Any]:
+        """`answers`, each first sent to lm-eval's cache hook (its CachingLM's store, where one
+        wraps this model; a no-op otherwise), request by request as lm-eval's HF model does."""
         for request, answer in zip(requests, answers):
             self.cache_hook.add_partial(kind, request.args, answer)
         return answers
