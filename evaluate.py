@@ -8,7 +8,8 @@
 Reading order: the four kinds of evaluation (each turns samples into requests for
 inference.InferenceJob and its results into scores) -> the options -> Evaluator (runs the
 evaluations, saves results), Evaluate, BackboneEvaluate -> fingerprint and resume (what a
-run computed; the evaluations an interrupted run finished) -> JSONL datasets and the option
+run computed; the evaluations an interrupted run finished; the journal of the pieces of
+them it finished, which a killed run leaves) -> JSONL datasets and the option
 checks -> the command line. How requests run on the mesh is inference.py; lm-eval's tasks
 are tasks.py; HuggingFace directories are read by hf.py.
 """
@@ -33,12 +34,13 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 import gpt
-from hf import load_backbone  # noqa: F401  (load_backbone: the reference API has it here too)
+from hf import load_backbone, resolve_checkpoint  # load_backbone: the reference API has it here too
 from inference import (MIN_TEMPERATURE, GenerationRequest, InferenceJob, PlanError, RequestError, Request, Scored,
                        per_document)
 from jobs import (MAX_SEED, ByteTokenizer, ExecutionSpec, HFTokenizer, Node, UsageError, builtin_items,
                   checkpoint_files, exit_status, file_digest, is_checkpoint_file, is_eval_item, job, load_checkpoint,
-                  load_tokenizer, model_config, open_regular, option, parse_options, read_json, short, to_host)
+                  load_tokenizer, model_config, open_regular, option, parse_options, read_json, short,
+                  signals_held, to_host, write_atomic)
 from tasks import LM_EVAL, check_task_options, run_tasks
 
 
@@ -121,9 +123,10 @@ class DatasetEvaluation(Evaluation):
         return len(self.dataset)
 
     @abstractmethod
-    def records(self, inference: InferenceJob, encoding: Any, keep_rows: bool,
+    def records(self, inference: InferenceJob, encoding: Any, keep_rows: bool, samples: Iterable[Tuple[int, Any]],
                 **kwargs: Any) -> Iterator[Tuple[Dict[str, Any], Any]]:
-        """Yield (record, rows run for it) per sample, in dataset order."""
+        """Yield (record, rows run for it) per sample of `samples`, (index, sample) pairs in
+        dataset order that can be iterated twice (the whole dataset, or a piece of it)."""
 
     def score(self, records: List[Dict[str, Any]]) -> List[float]:
         return [r["score"] for r in records]
@@ -144,10 +147,16 @@ class DatasetEvaluation(Evaluation):
         return float(scores.mean()), stderr, {}
 
     def result(self, inference: InferenceJob, encoding: Any, keep_rows: bool = False,
-               **kwargs: Any) -> Result:
+               journal: Optional[Journal] = None, **kwargs: Any) -> Result:
+        """Every sample's record, the aggregate and its standard error. With a `journal`
+        (the command line's), computed in pieces, each piece the journal lacks appended to it
+        as it ends, and those it holds read from it (see Journal)."""
+        if journal is None:
+            pairs = self.records(inference, encoding, keep_rows, Enumerated(self.dataset), **kwargs)
+        else:
+            pairs = self.journaled_records(inference, encoding, journal, **kwargs)
         records, rows = [], []
-        for record, row in inference.progress(self.records(inference, encoding, keep_rows, **kwargs),
-                                              self.name, len(self)):
+        for record, row in inference.progress(pairs, self.name, len(self)):
             field = non_finite(record)
             if field is not None:  # NaN would be no score at all, and no JSON in samples.jsonl
                 raise self.non_finite_error(field, record["index"])
@@ -164,6 +173,25 @@ class DatasetEvaluation(Evaluation):
         metrics["skipped"] = len(records) - len(scored)
         return Result(self.name, self.kind, value, stderr, scores, records, metrics, rows)
 
+    def journaled_records(self, inference: InferenceJob, encoding: Any, journal: Journal,
+                          **kwargs: Any) -> Iterator[Tuple[Dict[str, Any], None]]:
+        """The records of each piece of journal_piece(len(self)) samples: the journal's where
+        it holds the piece, else computed and appended to it. The pieces are the same in a run
+        and in the run that resumes it, so a piece computes what it did in either."""
+        stream, size, start = enumerate(self.dataset), journal_piece(len(self)), 0
+        while True:
+            samples = list(itertools.islice(stream, size))  # the last, empty, ends the stream (its checks run)
+            if not samples:
+                return
+            records = journal.get(self.name, start, len(samples))
+            if records is None:
+                records = [record for record, _ in self.records(inference, encoding, False, samples, **kwargs)]
+                journal.append(self.name, start, records)
+            elif inference.report is not None:
+                inference.report.advance(len(samples), 0)
+            yield from ((record, None) for record in records)
+            start += len(samples)
+
     def __call__(self, inference, encoding, reduce="mean", return_intermediates=False, **kwargs):
         """reduce: "mean" -> the aggregate (token-weighted for ppl/acc), "sum" -> sum of the
         per-sample scores, "none" -> the per-sample scores as a numpy array."""
@@ -172,6 +200,16 @@ class DatasetEvaluation(Evaluation):
         result = self.result(inference, encoding, keep_rows=return_intermediates, **kwargs)
         out = {"mean": result.value, "sum": float(result.scores.sum()), "none": result.scores}[reduce]
         return (out, result.intermediates) if return_intermediates else out
+
+
+class Enumerated:
+    """(index, sample) of a whole dataset, as often as iterated (a JSONL file is read again)."""
+
+    def __init__(self, dataset: Iterable[Dict[str, Any]]):
+        self.dataset = dataset
+
+    def __iter__(self) -> Iterator[Tuple[int, Dict[str, Any]]]:
+        return enumerate(self.dataset)
 
 
 def non_finite(record: Dict[str, Any]) -> Optional[str]:
@@ -187,12 +225,12 @@ class RollingEvaluation(DatasetEvaluation):
     a kind says what a document's record holds and how records aggregate. Empty texts are
     skipped and counted."""
 
-    def records(self, inference, encoding, keep_rows, **kwargs):
+    def records(self, inference, encoding, keep_rows, samples, **kwargs):
         # the prefix token is added once by loglikelihood_rolling, not also by the tokenizer
         # (lm-eval 0.4 adds Llama's BOS twice in rolling windows: its issue #3333)
-        documents = (encoding.encode(s["text"], add_special_tokens=False) for s in self.dataset)
+        documents = (encoding.encode(s["text"], add_special_tokens=False) for _, s in samples)
         results = inference.loglikelihood_rolling(documents, keep_rows)
-        for index, (sample, scored) in enumerate(zip(self.dataset, results)):
+        for (index, sample), scored in zip(samples, results):
             tokens = sum(r.tokens for r in scored)
             if not all(math.isfinite(r.logprob) for r in scored):  # acc's record would not show it
                 raise self.non_finite_error("log-likelihood", index)
@@ -263,9 +301,9 @@ class MultipleChoiceEvaluation(DatasetEvaluation):
 
     kind = "mc"
 
-    def records(self, inference, encoding, keep_rows, **kwargs):
-        results = per_document(inference.loglikelihood(self.requests(inference, encoding), keep_rows))
-        for index, (sample, scored) in enumerate(zip(self.dataset, results)):
+    def records(self, inference, encoding, keep_rows, samples, **kwargs):
+        results = per_document(inference.loglikelihood(self.requests(inference, encoding, samples), keep_rows))
+        for (index, sample), scored in zip(samples, results):
             loglik = [r.logprob for r in scored]
             normed = [ll / max(len(c), 1) for ll, c in zip(loglik, sample["choices"])]
             pred, pred_norm = int(np.argmax(loglik)), int(np.argmax(normed))
@@ -273,11 +311,11 @@ class MultipleChoiceEvaluation(DatasetEvaluation):
                     "loglik": loglik, "pred": pred, "gold": sample["gold"],
                     "acc_norm": float(pred_norm == sample["gold"])}, rows_of(scored))
 
-    def requests(self, inference: InferenceJob, encoding: Any) -> Iterator[Request]:
+    def requests(self, inference: InferenceJob, encoding: Any, samples: Iterable[Tuple[int, Any]]) -> Iterator[Request]:
         """One loglikelihood request per choice. A choice that adds no token once joined to
         the context ("lo" after "hel", where "hello" is one token) is refused: its empty
         continuation would score 0.0 and always win."""
-        for index, sample in enumerate(self.dataset):
+        for index, sample in samples:
             for number, choice in enumerate(sample["choices"]):
                 context, continuation = encode_pair(encoding, sample["context"], choice)
                 if not continuation:
@@ -304,14 +342,14 @@ class RolloutEvaluation(DatasetEvaluation):
         super().__init__(name, dataset)
         self.max_new_tokens, self.stop = max_new_tokens, tuple(stop)
 
-    def records(self, inference, encoding, keep_rows, max_new_tokens=None, temperature=0.0,
+    def records(self, inference, encoding, keep_rows, samples, max_new_tokens=None, temperature=0.0,
                 top_p=1.0, seed=0, **kwargs):
         requests = (GenerationRequest(index, encoding.encode(s["prompt"]) or [inference.prefix_id],
                                       tuple(s.get("until", self.stop)))
-                    for index, s in enumerate(self.dataset))
+                    for index, s in samples)  # a sampled token's key is its document's index: any piece
         outputs = inference.generate_until(requests, max_new_tokens or self.max_new_tokens, temperature,
                                            top_p, seed, keep_rows)
-        for index, (sample, (_, out)) in enumerate(zip(self.dataset, outputs)):
+        for (index, sample), (_, out) in zip(samples, outputs):
             yield ({"eval": self.name, "index": index,
                     "score": float(out.text.strip() == sample["answer"].strip()), "output": out.text,
                     "answer": sample["answer"], "truncated": out.truncated}, out.row)
@@ -450,6 +488,8 @@ class Evaluator(InferenceJob):
                  evaluations: Optional[List[Evaluation]] = None):
         self.spec, self.base = spec, base
         self.cfg: EvaluatorConfig = spec.cfg or EvaluatorConfig()
+        if parts is None and base is None and self.cfg.ckpt:  # `python jobs.py KEY --ckpt ...` gives no base
+            self.base = resolve_checkpoint(self.cfg.ckpt, say_on_process_0)
         if parts is None:
             mesh = spec.make_mesh()
             parts = Parts(*self.load(mesh), mesh)
@@ -526,8 +566,9 @@ class Evaluator(InferenceJob):
         """Evaluate and save, in four steps (see fingerprint and resume below):
         1. what this run computes against what --out holds: this run, finished, is not redone;
            another run's results are refused unless --force; an interrupted try resumes;
-        2. every evaluation not yet finished, each kept in RESUME_FILE as it finishes;
-        3. --tasks through lm-eval, last and in one piece;
+        2. every evaluation not yet finished, each kept in RESUME_FILE as it finishes, and the
+           pieces of each in the Journal as they finish;
+        3. --tasks through lm-eval, last, its requests journaled in pieces too (tasks.JaxLM);
         4. results.json and samples.jsonl, written together (process 0)."""
         with refused_as_usage(), out_dir_held(self.spec):  # no other run writes there meanwhile
             fingerprint = run_fingerprint(self)  # 1
@@ -537,21 +578,28 @@ class Evaluator(InferenceJob):
                 return
             if previous.kept:
                 self.say(f"resuming: {', '.join(previous.kept)} kept from an interrupted try of this run")
-            started = time.time()
-            results = self.run_evaluations(previous.kept, fingerprint)  # 2
-            tasks = run_tasks(self, self.spec, self.cfg, self.say) if self.cfg.tasks else {}  # 3
+            started, journal = time.time(), Journal(self.spec, fingerprint)
+            try:
+                if journal.pieces:
+                    self.say(f"resuming: {len(journal.pieces)} piece(s) of "
+                             f"{', '.join(dict.fromkeys(name for name, _ in journal.pieces))} from the journal")
+                results = self.run_evaluations(previous.kept, fingerprint, journal)  # 2
+                tasks = run_tasks(self, self.spec, self.cfg, self.say, journal) if self.cfg.tasks else {}  # 3
+            finally:
+                journal.close()
             if self.spec.is_main:  # 4
                 self.write_results(results, fingerprint, time.time() - started, tasks)
 
-    def run_evaluations(self, kept: Dict[str, Any], fingerprint: Dict[str, Any]) -> List[Result]:
-        """Each evaluation's Result, in order: kept ones as they were, the others computed, the
-        finished ones kept after each (not after the last, unless tasks follow); a table."""
+    def run_evaluations(self, kept: Dict[str, Any], fingerprint: Dict[str, Any], journal: Journal) -> List[Result]:
+        """Each evaluation's Result, in order: kept ones as they were, the others computed
+        piece by piece through the journal, the finished ones kept after each (not after the
+        last, unless tasks follow); a table."""
         results = []
         for position, evaluation in enumerate(self.evaluations):
             if evaluation.name in kept:
                 results.append(kept[evaluation.name])
                 continue
-            results.append(evaluation.result(self, self.tokenizer, keep_rows=False, **self.decoding()))
+            results.append(evaluation.result(self, self.tokenizer, journal=journal, **self.decoding()))
             if position + 1 < len(self.evaluations) or self.cfg.tasks:
                 keep_finished(self, results, fingerprint)
         if results:
@@ -561,7 +609,8 @@ class Evaluator(InferenceJob):
     def write_results(self, results: List[Result], fingerprint: Dict[str, Any], seconds: float,
                       tasks: Dict[str, Any]) -> None:
         """results.json and samples.jsonl together: neither is replaced unless both are written.
-        Without --log-samples an earlier run's samples.jsonl is removed; so is RESUME_FILE.
+        Without --log-samples an earlier run's samples.jsonl is removed; so are RESUME_FILE and
+        the journal.
         `tasks`: what lm-eval's tasks add to results.json (see tasks.run_tasks)."""
         samples = None
         if self.cfg.log_samples and results:  # allow_nan=False: a NaN left would be a bug, not bare NaN in a file
@@ -570,7 +619,8 @@ class Evaluator(InferenceJob):
         for key, entries in tasks.items():  # lm-eval's scores join ours
             summary[key] = {**summary.get(key, {}), **entries}
         results_json = json.dumps(summary, indent=2, allow_nan=False) + "\n"
-        self.spec.write_together({"samples.jsonl": samples, "results.json": results_json.encode(), RESUME_FILE: None})
+        self.spec.write_together({"samples.jsonl": samples, "results.json": results_json.encode(), RESUME_FILE: None,
+                                   JOURNAL_FILE: None})
         done = self.spec.path("results.json")
         self.say(f"results: {done}" + (f" and {self.spec.path('samples.jsonl')}" if samples else ""))
 
@@ -585,6 +635,7 @@ class Evaluator(InferenceJob):
             "kind": {r.name: r.kind for r in results},
             "metrics": {r.name: r.metrics for r in results},
             "model": model_config(self.model), "checkpoint": self.cfg.ckpt,
+            "hub": self.base.hub if self.base is not None else None,
             "mesh": dict(self.mesh.shape), "processes": jax.process_count(),
             "config": dataclasses.asdict(self.cfg), "seconds": round(seconds, 3),
             "versions": {"jax": jax.__version__, "python": sys.version.split()[0]},
@@ -608,9 +659,9 @@ class Evaluate(Evaluator):
 
     def load(self, mesh):
         c = self.cfg
-        if c.ckpt:
-            model, variables, config = load_checkpoint(c.ckpt, mesh, c.dtype)
-            return model, variables, load_tokenizer(config, c.ckpt)
+        if self.base is not None:
+            model, variables, config = load_checkpoint(self.base.path, mesh, c.dtype)
+            return model, variables, load_tokenizer(config, self.base.path)
         model = gpt.GPT(param_dtype=c.dtype, activation_dtype=c.dtype)
         return model, gpt.init_params(model, mesh, self.spec.seed), ByteTokenizer()
 
@@ -620,14 +671,14 @@ class BackboneEvaluate(Evaluator):
     """Evaluate HuggingFace weights or a native checkpoint based on that model."""
 
     def load(self, mesh):
-        c = self.cfg
-        if not c.ckpt:
-            raise UsageError("backbone/evaluate needs --ckpt (a HuggingFace or native directory)")
-        if Node(c.ckpt).is_native:
-            model, variables, config = load_checkpoint(c.ckpt, mesh, c.dtype)
-            return model, variables, load_tokenizer(config, c.ckpt)
-        model, variables = load_backbone(c.ckpt, c.dtype, mesh)  # each device's share read from the files
-        return model, variables, HFTokenizer(c.ckpt)
+        if self.base is None:
+            raise UsageError("backbone/evaluate needs --ckpt (a HuggingFace directory or hub id, or a native one)")
+        path, dtype = self.base.path, self.cfg.dtype
+        if self.base.is_native:
+            model, variables, config = load_checkpoint(path, mesh, dtype)
+            return model, variables, load_tokenizer(config, path)
+        model, variables = load_backbone(path, dtype, mesh)  # each device's share read from the files
+        return model, variables, HFTokenizer(path)
 
 
 # ----------------------------------------------------------------------------- fingerprint and resume
@@ -642,7 +693,8 @@ class BackboneEvaluate(Evaluator):
 UNSCORED_OPTIONS = ("out", "batch_size", "mesh", "chunks", "quiet", "force", "coordinator", "num_processes",
                     "process_id", "ckpt", "data")
 RESUME_FILE = ".resume.json"  # the finished evaluations of an unfinished run, beside results.json
-OUTPUT_FILES = ("results.json", "samples.jsonl", RESUME_FILE)
+JOURNAL_FILE = ".journal"  # the finished pieces of the evaluations of an unfinished run (Journal)
+OUTPUT_FILES = ("results.json", "samples.jsonl", RESUME_FILE, JOURNAL_FILE)
 # where a run killed with SIGKILL can have left temporaries (jobs.write_temporary's names)
 STALE_TEMPORARIES = tuple(f".{name}.*.tmp" for name in OUTPUT_FILES) + ("lm_eval/*/.*.tmp",)
 TASK_FILES = (".yaml", ".yml", ".py", ".json", ".jsonl")  # what an --include-path task is made of
@@ -660,13 +712,18 @@ def run_fingerprint(evaluator: Evaluator) -> Dict[str, Any]:
 
 
 def model_fingerprint(evaluator: Evaluator) -> Dict[str, Any]:
-    """A checkpoint: its path, and the size and hash of each file it is read from. Weights
-    made here (fresh, from --seed) or handed over in memory: the model's fields and a
-    hash of the parameters."""
-    source = evaluator.base.path if evaluator.base is not None else evaluator.cfg.ckpt  # jobs.py gives no base
-    if source is not None:
-        directory = Path(source)
+    """A checkpoint: its path, and the size and hash of each file it is read from; a hub
+    model's snapshot: its id and commit for the path (a cache moved elsewhere holds the same
+    run). Weights made here (fresh, from --seed) or handed over in memory: the model's
+    fields and a hash of the parameters."""
+    base = evaluator.base
+    if base is None and evaluator.cfg.ckpt is not None:  # handed over in memory, yet named
+        base = Node(evaluator.cfg.ckpt)
+    if base is not None:
+        directory = Path(base.path)
         files = {name: file_digest(directory / name, "checkpoint file") for name in checkpoint_files(directory)}
+        if base.hub is not None:
+            return {"checkpoint": base.hub["id"], "commit": base.hub["commit"], "files": files}
         return {"checkpoint": os.path.abspath(directory), "files": files}
     return {"checkpoint": None, "model": model_config(evaluator.model),
             "sha256": parameters_digest(evaluator.variables)}
@@ -762,7 +819,7 @@ def previous_run(evaluator: Evaluator, fingerprint: Dict[str, Any]) -> Previous:
 def read_previous(spec: ExecutionSpec, fingerprint: Dict[str, Any], force: bool) -> Previous:
     """Finished when results.json holds this very run; else the results an interrupted try
     of it kept. Another run's results.json is refused unless `force`, or unless a try of
-    this run was let in before (it kept results)."""
+    this run was let in before (it kept results, or journaled pieces)."""
     done = spec.path("results.json")
     kept = read_kept(spec.path(RESUME_FILE), fingerprint)
     if force or not os.path.lexists(done):
@@ -771,7 +828,7 @@ def read_previous(spec: ExecutionSpec, fingerprint: Dict[str, Any], force: bool)
     previous = previous.get("fingerprint") if isinstance(previous, dict) else None
     if previous == fingerprint:
         return Previous(True, {})
-    if kept:
+    if kept or journal_holds(spec.path(JOURNAL_FILE), fingerprint):
         return Previous(False, kept)
     raise UsageError(f"{done} holds another run ({differences(previous, fingerprint)}); "
                      "--force replaces it, or choose another --out")
@@ -825,6 +882,137 @@ def read_kept(path: Path, fingerprint: Dict[str, Any]) -> Dict[str, Result]:
         return {}
     return {name: Result(name, r["kind"], r["value"], r["stderr"], np.array(r["scores"], np.float64),
                          r["records"], r["metrics"], []) for name, r in kept["results"].items()}
+
+
+# A run journals its work piece by piece, so that a kill at any instant (SIGKILL, power loss)
+# costs at most the pieces under way: each evaluation is cut into pieces of consecutive
+# samples, the same cut in every run of the same fingerprint, and each piece's records are
+# appended to the journal as it ends. A resumed run reads the pieces back instead of
+# computing them; every piece it computes is computed as the first try computed it (the
+# same requests together), so it ends with the same bytes as a run never interrupted.
+
+JOURNAL_PIECES = 32  # an evaluation is cut into at most this many pieces
+MIN_PIECE = 32  # samples: smaller pieces cost more in short last blocks than a kill would lose
+JOURNAL_FORMAT = "gpt-eval-journal-v1"
+
+
+def journal_piece(samples: int) -> int:
+    """The samples in each piece (the last may hold fewer) of an evaluation of `samples`."""
+    return max(MIN_PIECE, -(-samples // JOURNAL_PIECES))
+
+
+def frame(payload: bytes) -> bytes:
+    """One journal record: b"LENGTH SHA256\n", the payload, b"\n" (which the length counts)."""
+    body = payload + b"\n"
+    return f"{len(body)} {hashlib.sha256(body).hexdigest()}\n".encode() + body
+
+
+def read_frames(data: bytes) -> Tuple[List[Any], int]:
+    """The JSON payloads of the whole, valid records at the start of `data`, and where they
+    end: the first record that is cut short or fails its checksum (a kill in the middle of
+    an append) ends the list, and whatever follows it is dropped."""
+    payloads, end = [], 0
+    while end < len(data):
+        header, newline, _ = data[end:end + 100].partition(b"\n")
+        length, _, digest = header.decode("ascii", "replace").partition(" ")
+        if not newline or not length.isdigit():
+            break
+        start = end + len(header) + 1
+        body = data[start:start + int(length)]
+        if len(body) != int(length) or hashlib.sha256(body).hexdigest() != digest:
+            break
+        try:
+            payloads.append(json.loads(body))
+        except ValueError:
+            break
+        end = start + len(body)
+    return payloads, end
+
+
+def journal_holds(path: Path, fingerprint: Dict[str, Any]) -> bool:
+    """Whether the journal at `path` is one of this fingerprint's (its first record says so)."""
+    if not os.path.lexists(path):
+        return False
+    with open_regular(path, "journal") as f:
+        payloads, _ = read_frames(f.read(MAX_HEADER_BYTES))
+    return bool(payloads) and payloads[0] == {"format": JOURNAL_FORMAT, "fingerprint": fingerprint}
+
+
+MAX_HEADER_BYTES = 16 << 20  # a fingerprint lists a few files and options: never near this
+
+
+class Journal:
+    """DIR/.journal while a run goes on: its first record the run's fingerprint, then one per
+    finished piece, {"eval", "start", "records"} (see frame). Each append is fsynced before
+    the run goes on. One of another fingerprint is never read: it is replaced. Process 0
+    reads and writes it; in a multi-process run the others get what it read from it."""
+
+    def __init__(self, spec: ExecutionSpec, fingerprint: Dict[str, Any]):
+        self.spec, self.fd = spec, None
+        data = self._open(fingerprint) if spec.is_main else b""
+        if jax.process_count() > 1:
+            data = broadcast_bytes(data)
+        payloads, _ = read_frames(data)
+        self.pieces = {(p.get("eval"), p.get("start")): p for p in payloads[1:] if isinstance(p, dict)}
+
+    def _open(self, fingerprint: Dict[str, Any]) -> bytes:
+        """Open the journal for appending, this run's (cut after its last whole record) or a
+        new one (replacing another run's); the bytes of this run's records so far."""
+        path, header = self.spec.path(JOURNAL_FILE), {"format": JOURNAL_FORMAT, "fingerprint": fingerprint}
+        data = b""
+        if os.path.lexists(path):
+            with open_regular(path, "journal") as f:
+                data = f.read()
+        payloads, end = read_frames(data)
+        if not payloads or payloads[0] != header:
+            data = frame(json.dumps(header).encode())
+            write_atomic(path, data)
+            end = len(data)
+        self.fd = os.open(path, os.O_WRONLY)
+        if end < len(data):
+            os.ftruncate(self.fd, end)  # a record cut short by a kill, dropped before any other follows
+        os.lseek(self.fd, end, os.SEEK_SET)
+        return data[:end]
+
+    @staticmethod
+    def piece_size(count: int) -> int:
+        return journal_piece(count)
+
+    def get(self, name: str, start: int, count: int, requests: Optional[str] = None) -> Optional[List[Any]]:
+        """The records of the piece of `count` samples from `start`, if journaled whole (and,
+        where the piece was journaled with its `requests` digest, for the same requests)."""
+        piece = self.pieces.get((name, start))
+        if piece is None or piece.get("requests") != requests:
+            return None
+        records = piece["records"]
+        return records if isinstance(records, list) and len(records) == count else None
+
+    def append(self, name: str, start: int, records: List[Any], requests: Optional[str] = None) -> None:
+        """A finished piece, on disk (fsync) before the run goes on (process 0)."""
+        piece = {"eval": name, "start": start, "records": records, **({"requests": requests} if requests else {})}
+        self.pieces[(name, start)] = piece
+        if self.fd is None:
+            return
+        left = memoryview(frame(json.dumps(piece).encode()))
+        try:
+            with signals_held():  # Ctrl-C and SIGTERM wait for the record; SIGKILL cuts it (read_frames)
+                while left:
+                    left = left[os.write(self.fd, left):]
+                os.fsync(self.fd)
+        except OSError as e:  # a full disk: the error names the journal
+            raise OSError(e.errno, e.strerror, str(self.spec.path(JOURNAL_FILE))) from None
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def broadcast_bytes(data: bytes) -> bytes:
+    """Process 0's `data` on every process."""
+    length = int(multihost_utils.broadcast_one_to_all(np.int64(len(data))))
+    buffer = np.frombuffer(data, np.uint8) if data else np.zeros(length, np.uint8)
+    return np.asarray(multihost_utils.broadcast_one_to_all(buffer)).tobytes()
 
 
 # ----------------------------------------------------------------------------- datasets and option checks
@@ -1034,10 +1222,17 @@ def evaluate_command(argv: List[str]) -> None:
     cfg = parse_options(EvaluatorConfig, argv)
     cfg.validate()
     start_processes(cfg)
-    hf = cfg.ckpt is not None and Path(cfg.ckpt).is_dir() and not Node(cfg.ckpt).is_native
+    base = resolve_checkpoint(cfg.ckpt, say_on_process_0) if cfg.ckpt else None  # a hub id: its snapshot
+    hf = base is not None and Path(base.path).is_dir() and not base.is_native
     cls = BackboneEvaluate if hf else Evaluate
     spec = ExecutionSpec(name=cls.KEY, out_dir=cfg.out, mesh=cfg.mesh, seed=cfg.seed, cfg=cfg)
-    cls(spec, Node(cfg.ckpt) if cfg.ckpt else None).run()
+    cls(spec, base).run()
+
+
+def say_on_process_0(line: str) -> None:
+    """A note that even --quiet prints (which model a name meant): once, by process 0."""
+    if jax.process_index() == 0:
+        print(line, file=sys.stderr)
 
 
 def main(argv: List[str]) -> int:

@@ -1,8 +1,10 @@
 """The HuggingFace bridge: a local transformers model directory in, our GPT out (and back).
 
     python hf.py DIR                 # what GPT a HuggingFace directory becomes, and its size
+    python hf.py ORG/NAME[@REV]      # the same for a hub model (HF_HUB_OFFLINE=1: from the cache only)
 
-Reading order: the config (read through transformers' config classes) -> GPT fields per
+Reading order: hub ids (ORG/NAME[@REVISION] as a snapshot directory of the HuggingFace
+cache, downloaded where allowed, and the commit it is) -> the config (read through transformers' config classes) -> GPT fields per
 family (gpt.FAMILIES holds what differs; this file maps names and layouts onto it) ->
 the tensors of each family through jobs.TensorFiles (views of the stored tensors; a block is
 read and checked when a device takes it) -> load_backbone -> export_gpt2 (a GPT-2-layout GPT
@@ -24,21 +26,26 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 import flax.linen as nn
+import huggingface_hub
 import jax
 import numpy as np
+from huggingface_hub import constants as hub_constants
+from huggingface_hub.errors import HfHubHTTPError, HFValidationError, IncompleteSnapshotError, LocalEntryNotFoundError
 from safetensors.numpy import save_file
 
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # its import-time "PyTorch was not found"
 import transformers  # noqa: E402  (torch is never needed, and the first line on stderr is ours)
 
 import gpt
-from jobs import (TensorFiles, UsageError, check_model_fields, concatenated, exit_status, first_line, flatten,
-                  param_shapes, read_config, short, split, stacked)
+from jobs import (CHAT_TEMPLATES, TOKENIZER_FILES, Node, TensorFiles, UsageError, check_model_fields,
+                  concatenated, exit_status, first_line, flatten, param_shapes, read_config, read_json, short, split,
+                  stacked)
 
 SUPPORTED = ("gpt2", "llama", "qwen2", "qwen3", "gpt_neox", "mistral", "gemma3_text", "gemma2", "phi3", "olmo2",
              "granite", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
@@ -47,6 +54,77 @@ MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".attention.masked_bias",
                     "rotary_emb.inv_freq")
 BASE_PREFIX = {"gpt2": "transformer.", "gpt_neox": "gpt_neox."}  # others: "model."
+
+
+# ----------------------------------------------------------------------------- hub ids
+# `--ckpt ORG/NAME[@REVISION]` names a model as the ecosystem does (lm-eval's
+# pretrained=ORG/NAME,revision=...). huggingface_hub resolves it to a snapshot folder of its
+# cache, snapshots/COMMIT/, downloading only what this project reads; offline
+# (HF_HUB_OFFLINE=1) only from the cache. The commit is recorded, so a branch that moved
+# since is another run.
+
+HUB_ID = re.compile(r"(?P<id>[\w.-]+/[\w.-]+)(?:@(?P<revision>[^@\s]+))?")
+# What a snapshot download fetches: the config, safetensors weights and their index, the
+# tokenizer and chat templates. Never pickles (*.bin, *.pt) or code (*.py): neither is read.
+HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
+             *TOKENIZER_FILES, f"{CHAT_TEMPLATES}/*.jinja"]
+
+
+def is_hub_id(text: str) -> bool:
+    """Whether --ckpt names a hub model (ORG/NAME, ORG/NAME@REVISION) rather than a directory."""
+    return HUB_ID.fullmatch(text) is not None
+
+
+def resolve_checkpoint(text: str, say=lambda line: print(line, file=sys.stderr)) -> Node:
+    """The directory --ckpt names: a local directory as it is (one of the same name as a hub
+    model wins, as in transformers, and `say` tells so where the HuggingFace cache holds
+    that model); a hub id as its snapshot folder, the Node's `hub` recording the id, the
+    revision asked for and the commit it resolved to."""
+    match = HUB_ID.fullmatch(text)
+    if match is None or os.path.lexists(text):
+        if match is not None and os.path.isdir(hub_folder(match["id"])):
+            say(f"--ckpt {text}: the local directory {os.path.abspath(text)}, not the hub model in the "
+                "HuggingFace cache (give another path to the directory, or move it, to use the hub model)")
+        return Node(text)
+    repo, revision = match["id"], match["revision"] or "main"
+    folder = download_snapshot(text, repo, revision)
+    check_snapshot(text, folder)
+    return Node(folder, hub={"id": repo, "revision": revision, "commit": os.path.basename(folder)})
+
+
+def hub_folder(repo: str) -> str:
+    """Where the HuggingFace cache keeps a model: HF_HUB_CACHE/models--ORG--NAME."""
+    return os.path.join(hub_constants.HF_HUB_CACHE, huggingface_hub.file_download.repo_folder_name(
+        repo_id=repo, repo_type="model"))
+
+
+def download_snapshot(text: str, repo: str, revision: str) -> str:
+    """The snapshot folder of `repo` at `revision` (a branch, a tag, a commit): from the
+    cache where it is there and downloads are off, else downloaded (HUB_FILES only)."""
+    try:
+        return huggingface_hub.snapshot_download(repo, revision=revision, allow_patterns=HUB_FILES)
+    except IncompleteSnapshotError as e:  # the cache's own listing of the commit names files not there
+        raise UsageError(f"--ckpt {text}: {first_line(e)}") from None
+    except LocalEntryNotFoundError:  # offline (or the hub unreachable), and not in the cache
+        why = "HF_HUB_OFFLINE=1" if hub_constants.HF_HUB_OFFLINE else "the hub cannot be reached"
+        raise UsageError(f"--ckpt {text}: no snapshot of revision {revision!r} in the HuggingFace cache "
+                         f"({hub_folder(repo)}), and {why}; run once online to download it") from None
+    except (HfHubHTTPError, HFValidationError) as e:  # no such model or revision, gated, a bad name
+        raise UsageError(f"--ckpt {text}: {first_line(e)}") from None
+
+
+def check_snapshot(text: str, folder: str) -> None:
+    """A snapshot whose index names a weights file the folder lacks (an interrupted download,
+    a file removed from the cache) is refused now, naming the file, not once half loaded."""
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if not os.path.lexists(index):
+        return
+    weight_map = read_json(Path(index), "safetensors index")
+    files = weight_map.get("weight_map", {}) if isinstance(weight_map, dict) else {}
+    for file in sorted(set(files.values()) if isinstance(files, dict) else ()):
+        if isinstance(file, str) and not os.path.exists(os.path.join(folder, file)):
+            raise UsageError(f"--ckpt {text}: snapshot {folder} lacks {file}, which model.safetensors.index.json "
+                             "names (download it again, online)")
 
 
 # ----------------------------------------------------------------------------- configs
@@ -576,8 +654,9 @@ def export_gpt2(model: gpt.GPT, variables: Any, path: str, tokenizer_dir: Option
     save_file(gpt2_tensors(model, params), os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
 
 
-def describe(path: str) -> None:
-    """`python hf.py DIR`: the GPT a HuggingFace directory becomes."""
+def describe(text: str) -> None:
+    """`python hf.py DIR` (or ORG/NAME[@REV]): the GPT a HuggingFace directory becomes."""
+    path = resolve_checkpoint(text).path
     model, host = load_backbone(path)
     fields = {k: getattr(model, k) for k in hf_fields(read_hf_config(path))}
     print(f"{path}: {sum(x.size for x in jax.tree.leaves(host)) / 1e6:.2f}M parameters")

@@ -422,9 +422,12 @@ def file_digest(path: Path, what: str) -> Dict[str, Any]:
 
 @dataclasses.dataclass
 class Node:
-    """A handle to what an earlier job stored, which a new job builds on (its `base`)."""
+    """A handle to what an earlier job stored, which a new job builds on (its `base`): a
+    directory, and where it is a hub model's snapshot (hf.resolve_checkpoint), `hub`:
+    {"id", "revision", "commit"}."""
 
     path: str
+    hub: Optional[Dict[str, str]] = None
 
     @property
     def config(self) -> Dict[str, Any]:

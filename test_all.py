@@ -3492,7 +3492,7 @@ def test_interrupted_run_leaves_previous_results_or_none(ckpt, tmp_path, sig, pr
         assert proc.returncode == 130 and err.strip().splitlines()[-1].startswith("interrupted"), err
         assert "Traceback" not in err
     files = sorted(p.name for p in out.iterdir()) if out.exists() else []
-    left = [".lock"] if sig == signal.SIGKILL else []  # unlocked: the next run takes it, and removes it
+    left = [".journal"] + ([".lock"] if sig == signal.SIGKILL else [])  # the pieces finished; an unlocked lock
     assert files == left + ([] if previous is None else ["results.json"]), files  # no temporary left
     if previous is not None:
         assert (out / "results.json").read_bytes() == previous
@@ -3709,6 +3709,146 @@ def test_an_interrupted_run_resumes_and_ends_as_an_uninterrupted_one(ckpt, tmp_p
     assert sorted(files_of(out)) == ["results.json", "samples.jsonl"]  # the kept results are gone
 
 
+FINGERPRINT = {"model": {"checkpoint": "org/tiny", "commit": "a" * 40, "files": {}}, "datasets": {"docs": {"sha256": "1"}},
+               "options": {"seed": 0}}
+
+
+def test_the_journal_keeps_whole_records_of_its_own_fingerprint_only(tmp_path):
+    """Records cut short or failing their checksum end what is read (and are cut off before
+    the next append); a journal of another option, data byte or revision is never read."""
+    spec = jobs.ExecutionSpec("gpt/evaluate", out_dir=str(tmp_path))
+    path = spec.path(evaluate.JOURNAL_FILE)
+    journal = evaluate.Journal(spec, FINGERPRINT)
+    journal.append("docs", 0, [{"score": 1.0}])
+    journal.append("docs", 32, [{"score": 2.0}, {"score": 3.0}])
+    journal.close()
+    whole = path.read_bytes()
+    path.write_bytes(whole + evaluate.frame(b'{"eval": "docs", "start": 64, "records": []}')[:-5])  # a kill mid-append
+    journal = evaluate.Journal(spec, FINGERPRINT)
+    assert journal.get("docs", 0, 1) == [{"score": 1.0}] and journal.get("docs", 32, 2) == [{"score": 2.0}, {"score": 3.0}]
+    assert path.read_bytes() == whole and journal.get("docs", 32, 3) is None and journal.get("docs", 64, 0) is None
+    journal.close()
+    path.write_bytes(whole.replace(b"3.0", b"4.0"))  # a changed byte fails its record's checksum
+    assert list(evaluate.Journal(spec, FINGERPRINT).pieces) == [("docs", 0)]
+    for where, value in [("options", {"seed": 1}), ("datasets", {"docs": {"sha256": "2"}}),
+                         ("model", {**FINGERPRINT["model"], "commit": "b" * 40})]:
+        path.write_bytes(whole)
+        assert evaluate.journal_holds(path, FINGERPRINT)
+        assert evaluate.Journal(spec, {**FINGERPRINT, where: value}).pieces == {}, where
+        assert not evaluate.journal_holds(path, FINGERPRINT)  # replaced by the other run's
+
+
+# `python evaluate.py ARGS` killed (os._exit, as SIGKILL leaves it) at a chosen point: "between"
+# pieces, after the AFTER-th is journaled; "torn", halfway through writing the AFTER-th; "final",
+# once every piece is journaled, before results.json is written.
+KILLER = r"""
+import json, os, sys
+import evaluate
+mode, after, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+append, appended = evaluate.Journal.append, []
+
+def append_then_kill(self, name, start, records, requests=None):
+    appended.append(start)
+    if mode == "torn" and len(appended) == after:
+        record = evaluate.frame(json.dumps({"eval": name, "start": start, "records": records}).encode())
+        os.write(self.fd, record[:len(record) // 2])
+        os._exit(9)
+    append(self, name, start, records, requests)
+    if mode == "between" and len(appended) == after:
+        os._exit(9)
+
+evaluate.Journal.append = append_then_kill
+if mode == "final":
+    evaluate.Evaluator.write_results = lambda *args: os._exit(9)
+sys.exit(evaluate.main(argv))
+"""
+
+
+def without_timing(out):
+    """results.json less what differs between two runs of one command: the time, and --out."""
+    results = json.loads((Path(out) / "results.json").read_text())
+    del results["seconds"], results["config"]["out"]
+    return results
+
+
+def test_a_killed_run_resumes_from_its_journal_and_ends_as_an_uninterrupted_one(ckpt, tmp_path):
+    """Killed between two pieces, in the middle of journaling one, and after the last one
+    before the final write: the same command computes only the pieces the journal lacks and
+    writes the results.json (less timing) and samples.jsonl of a run never killed, sampled
+    generation included. Records changed in a journal are what a resumed run reports (it
+    reads them), and never what a run of another option reports."""
+    docs = write_jsonl(tmp_path / "docs.jsonl", [{"text": f"the {i} dogs see a cat. " * (1 + i % 9)} for i in range(40)])
+    gen = write_jsonl(tmp_path / "qa.jsonl", [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(36)])
+    args = ["--ckpt", ckpt, "--data", f"ppl:{docs}", "--data", f"gen:{gen}", "--max-new-tokens", "4",
+            "--temperature", "1.0", "--seed", "3", "--log-samples"]  # pieces: ppl 32+8, gen 32+4
+    kills = {"between": 3, "torn": 2, "final": 0}
+    for mode, after in kills.items():
+        proc = subprocess.run([sys.executable, "-c", KILLER, mode, str(after), *map(str, args), "--out",
+                               str(tmp_path / mode)], capture_output=True, text=True, env=driver_env(), cwd=ROOT)
+        assert proc.returncode == 9, proc.stderr[-2000:]
+        assert not (tmp_path / mode / "results.json").exists()
+    tampered = tmp_path / "tampered"
+    shutil.copytree(tmp_path / "between", tampered)
+    journal = tampered / evaluate.JOURNAL_FILE
+    payloads, _ = evaluate.read_frames(journal.read_bytes())
+    for payload in payloads[1:]:  # ppl's pieces, which .resume.json holds whole too, and gen's first
+        if payload["eval"] == "qa":
+            for record in payload["records"]:
+                record["output"] = "journaled"
+    journal.write_bytes(b"".join(evaluate.frame(json.dumps(p).encode()) for p in payloads))
+    shutil.copytree(tampered, tmp_path / "other")
+    other = [a if a != "3" else "4" for a in args]  # --seed 4
+    *resumed, whole, reused, not_reused, other_whole = cli_many(
+        *(args + ["--out", tmp_path / mode] for mode in kills), args + ["--out", tmp_path / "whole"],
+        args + ["--out", tampered], other + ["--out", tmp_path / "other"], other + ["--out", tmp_path / "other-whole"])
+    for (mode, pieces), proc in zip({"between": 3, "torn": 1, "final": 4}.items(), resumed):
+        assert proc.returncode == 0 and f"resuming: {pieces} piece(s)" in proc.stderr, (mode, proc.stderr[-2000:])
+        assert without_timing(tmp_path / mode) == without_timing(tmp_path / "whole"), mode
+        assert files_of(tmp_path / mode)["samples.jsonl"] == files_of(tmp_path / "whole")["samples.jsonl"], mode
+        assert sorted(files_of(tmp_path / mode)) == ["results.json", "samples.jsonl"], mode  # the journal is gone
+    assert reused.returncode == 0 and not_reused.returncode == 0 and other_whole.returncode == 0
+    outputs = [json.loads(line).get("output") for line in (tampered / "samples.jsonl").read_text().splitlines()]
+    assert outputs[40:] == ["journaled"] * 32 + [json.loads(line)["output"] for line in
+                                                 (tmp_path / "whole" / "samples.jsonl").read_text().splitlines()[72:]]
+    assert "resuming" not in not_reused.stderr
+    assert without_timing(tmp_path / "other") == without_timing(tmp_path / "other-whole")
+
+
+@pytest.mark.skipif(tasks.lm_eval is None, reason=f"needs {tasks.LM_EVAL}")
+def test_a_killed_lm_eval_run_resumes_from_its_journal(ckpt, tmp_path):
+    """--tasks journals lm-eval's requests piece by piece too: killed after some pieces, the
+    same command reads them back, computes the rest, and reports what a run never killed
+    reports (log-likelihoods and sampled generations), its samples included."""
+    task_dir = tmp_path / "tasks"
+    task_dir.mkdir()
+    qa = write_jsonl(tmp_path / "qa.jsonl", [{"q": f"{i} + {i} =", "a": f" {2 * i}"} for i in range(50)])
+    for name, fields in [("choose", {"output_type": "multiple_choice", "doc_to_choice": ["{{a}}", " no"],
+                                     "doc_to_target": 0, "metric_list": [{"metric": "acc"}]}),
+                         ("sample", {"output_type": "generate_until", "doc_to_target": "a",
+                                     "metric_list": [{"metric": "exact_match"}],
+                                     "generation_kwargs": {"until": ["\n"], "do_sample": True, "temperature": 1.0,
+                                                           "max_gen_toks": 3}})]:
+        (task_dir / f"{name}.yaml").write_text(json.dumps(
+            {"task": name, "dataset_path": "json", "dataset_name": None, "test_split": "test",
+             "dataset_kwargs": {"data_files": {"test": str(qa)}}, "doc_to_text": "q", **fields}))
+    args = ["--ckpt", ckpt, "--tasks", "choose,sample", "--include-path", task_dir, "--log-samples"]
+    killed = subprocess.run([sys.executable, "-c", KILLER, "between", "3", *map(str, args), "--out",
+                             str(tmp_path / "killed")], capture_output=True, text=True, env=driver_env(), cwd=ROOT)
+    assert killed.returncode == 9, killed.stderr[-2000:]
+    resumed, whole = cli_many(args + ["--out", tmp_path / "killed"], args + ["--out", tmp_path / "whole"])
+    assert resumed.returncode == 0 and "resuming: 3 piece(s) of lm-eval" in resumed.stderr, resumed.stderr[-2000:]
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    runs = {d: without_timing(tmp_path / d) for d in ("whole", "killed")}
+    for key in ("results", "stderr", "n_samples"):
+        assert runs["whole"][key] == runs["killed"][key], key
+    for task in ("choose", "sample"):  # lm-eval's samples files, each run's own (their names hold a time)
+        lines = [[{k: json.loads(line)[k] for k in ("doc_id", "resps", "filtered_resps")}
+                  for line in (tmp_path / d / run["lm_eval"]["samples"][task]).read_text().splitlines()]
+                 for d, run in runs.items()]
+        assert lines[0] == lines[1] and len(lines[0]) == 50, task
+    assert not (tmp_path / "killed" / evaluate.JOURNAL_FILE).exists()
+
+
 def test_results_and_samples_are_replaced_together_or_not_at_all(ckpt, tmp_path):
     """A full disk (file size capped) while writing samples.jsonl, then while writing
     results.json: the previous pair stays as it was, the error names the file, and no
@@ -3722,13 +3862,19 @@ def test_results_and_samples_are_replaced_together_or_not_at_all(ckpt, tmp_path)
     assert samples < results  # so a cap between the two sizes fails only results.json
     shutil.copytree(out, tmp_path / "o2")
     other = run + ["--limit", "2"]  # fewer samples: a replaced samples.jsonl would show
+    # its journal whole (a run killed before its final write), so that only the final write meets the cap
+    killed = subprocess.run([sys.executable, "-c", KILLER, "final", "0", *map(str, other), "--log-samples", "--out",
+                             str(tmp_path / "killed")], capture_output=True, text=True, env=driver_env(), cwd=ROOT)
+    assert killed.returncode == 9, killed.stderr[-2000:]
+    journal = (tmp_path / "killed" / evaluate.JOURNAL_FILE).read_bytes()
+    (out / evaluate.JOURNAL_FILE).write_bytes(journal)
     no_room_for_samples, no_room_for_results, no_samples = cli_many(
         {"fsize": samples // 4}, other + ["--log-samples", "--out", out],
         {"fsize": (samples + results) // 2}, other + ["--log-samples", "--out", out],
         {"fsize": None}, other + ["--out", tmp_path / "o2"], compile_cache=False)
     assert_usage_error(no_room_for_samples, "File too large", str(out / "samples.jsonl"))
     assert_usage_error(no_room_for_results, "File too large", str(out / "results.json"))
-    assert files_of(out) == pair
+    assert files_of(out) == {**pair, evaluate.JOURNAL_FILE: journal}
     assert no_samples.returncode == 0 and sorted(files_of(tmp_path / "o2")) == ["results.json"]
 
 
@@ -3840,6 +3986,99 @@ def test_bad_huggingface_directories_are_refused(hf_gpt2, tmp_path):
     no_vocabulary = changed("novocabulary", vocab_size=0)
     assert_usage_error(cli("--ckpt", no_vocabulary, "--evals", "grammar", "--limit", "2", "--out", tmp_path / "o",
                            devices=1), "vocab_size must be a positive integer", out=tmp_path / "o")
+
+
+def hub_cache(cache, repo, snapshots, refs):
+    """A HuggingFace cache as huggingface_hub writes it: models--ORG--NAME/blobs/ holding each
+    file once by its hash, snapshots/COMMIT/NAME linking to them, refs/REF holding a commit.
+    `snapshots`: {commit: directory whose files it holds}."""
+    root = cache / ("models--" + repo.replace("/", "--"))
+    for commit, directory in snapshots.items():
+        for source in sorted(Path(directory).rglob("*")):
+            if source.is_file():
+                data = source.read_bytes()
+                blob = root / "blobs" / hashlib.sha256(data).hexdigest()
+                blob.parent.mkdir(parents=True, exist_ok=True)
+                blob.write_bytes(data)
+                link = root / "snapshots" / commit / source.relative_to(directory)
+                link.parent.mkdir(parents=True, exist_ok=True)
+                link.symlink_to(os.path.relpath(blob, link.parent))
+    for ref, commit in refs.items():
+        (root / "refs" / ref).parent.mkdir(parents=True, exist_ok=True)
+        (root / "refs" / ref).write_text(commit)  # no newline, as huggingface_hub writes it
+    return root
+
+
+MAIN, TAGGED, SHARDED = "a" * 40, "b" * 40, "c" * 40  # commits
+
+
+def test_hub_ids_resolve_offline_through_the_cache(hf_gpt2, tmp_path, monkeypatch):
+    """ORG/NAME at a branch, a tag, a commit, from a cache laid out here (HF_HUB_OFFLINE=1,
+    as everywhere in the suite); a revision not cached, a snapshot missing a shard its index
+    names and an incomplete listing each refused in one line; a local directory of the same
+    name wins and says so; the download fetches no pickle and no code."""
+    sharded = tmp_path / "sharded"
+    shutil.copytree(hf_gpt2, sharded)
+    (sharded / "model.safetensors").rename(sharded / "model-00001-of-00002.safetensors")
+    names = list(load_file(sharded / "model-00001-of-00002.safetensors"))
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        n: f"model-0000{1 + i % 2}-of-00002.safetensors" for i, n in enumerate(names)}}))
+    cache = tmp_path / "cache"
+    root = hub_cache(cache, "org/tiny", {MAIN: hf_gpt2, TAGGED: hf_gpt2, SHARDED: sharded},
+                     {"main": MAIN, "v1": TAGGED, "refs/pr/1": SHARDED})
+    monkeypatch.setattr(hf.hub_constants, "HF_HUB_CACHE", str(cache))
+    assert hf.huggingface_hub.constants.HF_HUB_OFFLINE  # set at the top of this file, before any import
+    for text, commit, revision in [("org/tiny", MAIN, "main"), ("org/tiny@main", MAIN, "main"),
+                                   ("org/tiny@v1", TAGGED, "v1"), (f"org/tiny@{TAGGED}", TAGGED, TAGGED)]:
+        node = hf.resolve_checkpoint(text)
+        assert node.hub == {"id": "org/tiny", "revision": revision, "commit": commit}, text
+        assert Path(node.path) == root / "snapshots" / commit and not node.is_native
+    refused = {"org/tiny@v2": "no snapshot of revision 'v2'", "org/other": "HF_HUB_OFFLINE=1",
+               "org/tiny@refs/pr/1": "lacks model-00002-of-00002.safetensors, which model.safetensors.index.json"}
+    for text, needle in refused.items():
+        with pytest.raises(UsageError, match=re.escape(needle)):
+            hf.resolve_checkpoint(text)
+    # huggingface_hub's own listing of a commit (what it wrote when it downloaded it), checked offline
+    from huggingface_hub._tree_cache import TreeCacheEntry, write_tree_cache
+    write_tree_cache(str(root), MAIN, {name: TreeCacheEntry(size=1, blob_id="0" * 40)
+                                       for name in ["config.json", "model.safetensors", "extra.safetensors"]})
+    with pytest.raises(UsageError, match="incomplete.*extra.safetensors"):
+        hf.resolve_checkpoint("org/tiny")
+    said = []
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(hf_gpt2, tmp_path / "org" / "tiny")
+    assert hf.resolve_checkpoint("org/tiny", said.append) == jobs.Node("org/tiny")
+    assert len(said) == 1 and "the local directory" in said[0]
+    assert hf.resolve_checkpoint("org", said.append) == jobs.Node("org") and len(said) == 1  # no hub id
+    from huggingface_hub.utils import filter_repo_objects  # what snapshot_download fetches of a listing
+    listing = ["config.json", "generation_config.json", "model.safetensors", "model-00001-of-00002.safetensors",
+               "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json", "merges.txt",
+               "chat_template.jinja", "additional_chat_templates/tools.jinja", "pytorch_model.bin",
+               "pytorch_model.bin.index.json", "training_args.pt", "modeling_tiny.py", "tokenization_tiny.py",
+               "model.onnx", "README.md", "flax_model.msgpack", "tf_model.h5", "original/consolidated.pth"]
+    fetched = set(filter_repo_objects(listing, allow_patterns=hf.HUB_FILES))
+    assert fetched == set(listing[:10])
+
+
+def test_a_hub_id_scores_as_its_snapshot_and_records_its_commit(hf_gpt2, tmp_path):
+    """--ckpt ORG/NAME through an offline cache gives the snapshot directory's scores; the
+    commit goes into results.json and the fingerprint, so a branch that moved is another run."""
+    cache = tmp_path / "cache"
+    other = with_config(hf_gpt2, tmp_path / "other", layer_norm_epsilon=1e-3)
+    root = hub_cache(cache, "org/tiny", {MAIN: hf_gpt2, TAGGED: other}, {"main": MAIN})
+    args = ["--evals", "grammar", "--limit", "4"]
+    by_name, by_path, moved = cli_many(
+        ["--ckpt", "org/tiny", *args, "--out", tmp_path / "a"],
+        ["--ckpt", root / "snapshots" / MAIN, *args, "--out", tmp_path / "b"],
+        {"write": str(root / "refs" / "main"), "text": TAGGED},
+        ["--ckpt", "org/tiny@main", *args, "--out", tmp_path / "a"], env={"HF_HUB_CACHE": str(cache)})
+    assert by_name.returncode == 0 and by_path.returncode == 0, (by_name.stderr, by_path.stderr)
+    named, direct = (json.loads((tmp_path / d / "results.json").read_text()) for d in "ab")
+    assert named["results"] == direct["results"] and named["metrics"] == direct["metrics"]
+    assert named["hub"] == {"id": "org/tiny", "revision": "main", "commit": MAIN} and direct["hub"] is None
+    assert named["fingerprint"]["model"]["commit"] == MAIN and named["checkpoint"] == "org/tiny"
+    assert named["fingerprint"]["model"]["files"] == direct["fingerprint"]["model"]["files"]
+    assert_usage_error(moved, "holds another run", "model.commit: 'aaaa")
 
 
 def test_bad_dataset_lines_are_refused_naming_file_and_line(ckpt, tmp_path):
@@ -4029,7 +4268,7 @@ def test_a_run_reads_what_it_checked_and_writes_only_its_out(ckpt, hf_gpt2, tmp_
     assert {k: results["fingerprint"]["datasets"]["appended"][k] for k in checked} == checked
     assert_usage_error(again, "holds another run", "datasets.appended.bytes")
     assert_usage_error(changed, f"{rewritten} changed while this run read it", out=tmp_path / "r")
-    assert sorted(files_of(tmp_path / "r")) == [".resume.json"]  # grammar kept, for the next try
+    assert sorted(files_of(tmp_path / "r")) == [".journal", ".resume.json"]  # grammar kept, for the next try
     assert inside.returncode == 0 and elsewhere.returncode == 0, (inside.stderr[-2000:], elsewhere.stderr[-2000:])
     fingerprints = [json.loads((d / "results.json").read_text())["fingerprint"]["model"]
                     for d in (model / "tokenizer_eval", tmp_path / "elsewhere")]
@@ -4110,7 +4349,8 @@ def test_signals_between_paired_writes_and_a_second_run_into_the_same_out(ckpt, 
         assert proc.returncode == 143 and err.strip().splitlines() == ["terminated: nothing partial was written"], err
     assert holder.startswith(f"pid {between.pid} on ")
     assert_usage_error(second, f"another run is writing to {cut} (pid {between.pid} on", "choose another --out")
-    assert files_of(made) == previous  # the previous pair, the killed run's temporary removed
+    made_files = files_of(made)
+    assert made_files.pop(evaluate.JOURNAL_FILE) and made_files == previous  # the previous pair, and the journal
     results = json.loads((cut / "results.json").read_text())
     samples = (cut / "samples.jsonl").read_text().splitlines()
     assert sorted(files_of(cut)) == ["results.json", "samples.jsonl"]  # no temporary, no lock
