@@ -1123,7 +1123,9 @@ FUZZ_MESHES = [(1, 1), (4, 2), (2, 4)]
 def fuzz_settings(examples):
     return hypothesis.settings(max_examples=examples * (FUZZ_LONG if FUZZ_PROFILE == "long" else 1),
                                derandomize=FUZZ_PROFILE != "long", deadline=None, database=None,
-                               print_blob=True, suppress_health_check=list(hypothesis.HealthCheck))
+                               print_blob=True, suppress_health_check=list(hypothesis.HealthCheck),
+                               # no "explain" phase: it traces every line of a failing example, for minutes
+                               phases=[p for p in hypothesis.Phase if p != hypothesis.Phase.explain])
 
 
 class Pieces:
@@ -1402,7 +1404,8 @@ def simplest_path():
     """The inference core with its fast mechanisms off: a request a row (no packing, no
     shared contexts, no filling), a batch at a time, no shared generation prefix."""
     pack = inference.pack_requests
-    with mock.patch.object(inference, "pack_requests", lambda requests, max_len, share: pack(requests, max_len, False)), \
+    alone = lambda requests, max_len, share: pack(requests, max_len, False)
+    with mock.patch.object(inference, "pack_requests", alone), \
             mock.patch.object(inference, "FILL_LENGTH", 1), mock.patch.object(inference, "REFILL", False), \
             mock.patch.object(inference, "SHARED_PREFIX_STEP", 1 << 30):
         yield
@@ -1431,7 +1434,8 @@ def data_files(draw):
                                     min_size=2, max_size=4, unique=True))  # equal choices tie: either is right
     mc = [{"context": t, "choices": c, "gold": draw(st.integers(0, len(c) - 1))}
           for t, c in ((t, choices()) for t in draw(texts_alike(n())))]
-    gen = [{"prompt": t or "a", "answer": short(), **({"until": [short()]} if draw(st.booleans()) else {})}
+    until = lambda: {"until": [short()]} if draw(st.booleans()) else {}
+    gen = [{"prompt": t or "a", "answer": short().strip() or "a", **until()}
            for t in draw(texts_alike(n()))]
     acc = [{"text": t + "ab"} for t in draw(texts_alike(n()))]
     return {"ppl": ppl, "mc": mc, "gen": gen, "acc": acc}
@@ -2940,7 +2944,8 @@ def run_hflm(hflm, task_dir, tasks, chat=False):
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory):
     """({variant: (lm-eval's results, ours)} for "plain" and "chat", the model directory, the
-    task directory, the directory of the stand-in `evaluate` package)."""
+    task directory, the directory of the stand-in `evaluate` package, lm-eval's HF model, our
+    evaluator)."""
     if torch is None or lm_eval is None:
         pytest.skip("needs torch and lm-eval")
     from lm_eval.models.huggingface import HFLM
@@ -2966,7 +2971,7 @@ def harness(tmp_path_factory):
         seconds[variant] = (middle - started, time.time() - middle)
         runs[variant] = (theirs, ours)
     print("\n" + ", ".join(f"{v}: lm-eval hf {a:.1f}s, ours {b:.1f}s" for v, (a, b) in seconds.items()))
-    yield runs, model_dir, task_dir, stand_in
+    yield runs, model_dir, task_dir, stand_in, hflm, ev
     sys.path.remove(stand_in)
 
 
@@ -3051,6 +3056,58 @@ def test_lm_eval_sampling_and_tasks_importing_hf_evaluate(harness):
     # a task's `import evaluate` got HuggingFace's package, and our module is ours again
     assert ours["results"]["local_hf_evaluate"]["acc,none"] == 1.0
     assert sys.modules["evaluate"] is evaluate
+
+
+@st.composite
+def lm_eval_task(draw):
+    """One random task over local JSONL: multiple choice (contexts alike, choices of one word
+    or several, a question that is its neighbours' shared beginning), loglikelihood, rolling
+    perplexity or generation (stop strings, max_gen_toks 1 to 64), 0 or 2 shots."""
+    kind = draw(st.sampled_from(["multiple_choice", "loglikelihood", "loglikelihood_rolling", "generate_until"]))
+    words = lambda lo, hi: " ".join(draw(st.lists(st.sampled_from(WORDS), min_size=lo, max_size=hi)))
+    stem = words(0, 12)
+    docs = [{"q": f"{stem} {words(0, 4)}".strip() or "the", "a": words(1, 3),
+             "choices": draw(st.lists(st.builds(lambda k: words(1, k), st.sampled_from([1, 1, 4])), min_size=2,
+                                      max_size=4, unique=True))} for _ in range(draw(st.integers(1, 6)))]
+    for d in docs:
+        d["gold"] = draw(st.integers(0, len(d["choices"]) - 1))
+    fields = {"output_type": kind, "doc_to_text": "{{q}}", "doc_to_target": "{{a}}",
+              "metric_list": [{"metric": "acc"}]}
+    if kind == "multiple_choice":
+        fields.update(doc_to_choice="{{choices}}", doc_to_target="{{gold}}",
+                      metric_list=[{"metric": "acc"}, {"metric": "acc_norm"}])
+    elif kind == "loglikelihood":
+        fields.update(metric_list=[{"metric": "perplexity"}, {"metric": "acc"}])
+    elif kind == "loglikelihood_rolling":
+        fields.update(doc_to_text="", doc_to_target="{{q}} {{a}}", metric_list=[{"metric": "word_perplexity"},
+                                                                               {"metric": "bits_per_byte"}])
+    else:
+        until = draw(st.lists(st.sampled_from(["\n", ".", " the", "and", "Question:"]), max_size=2))
+        fields.update(generation_kwargs={"until": until, "max_gen_toks": draw(st.sampled_from([1, 8, 64])),
+                                         "do_sample": False}, metric_list=[{"metric": "exact_match"}])
+    shots = draw(st.sampled_from([0, 2])) if kind != "loglikelihood_rolling" else 0
+    return docs, dict(fields, num_fewshot=shots, test_split="test", fewshot_split="train", target_delimiter=" ")
+
+
+@needs_lm_eval
+@fuzz_settings(2)
+@hypothesis.given(task=lm_eval_task(), batch=st.integers(1, 17))
+def test_random_lm_eval_tasks_match_lm_evals_hf_model(harness, task, batch):
+    """A random task YAML over local JSONL, through --tasks' code on our model at any batch
+    size, gives lm-eval's own HF model's every request and score."""
+    _, model_dir, _, _, hflm, ev = harness
+    docs, fields = task
+    with tempfile.TemporaryDirectory() as tmp:
+        write_lm_task(tmp, tmp, "fuzzed", {"test": docs, "train": docs[::-1]}, **fields)
+        theirs = run_hflm(hflm, tmp, ["fuzzed"])
+        cfg = harness_config(tmp, ["fuzzed"], False)
+        ev.requested_batch_size = batch
+        try:
+            ours = run_ours(ev, dataclasses.replace(cfg, batch_size=batch))
+        finally:
+            ev.requested_batch_size = 4
+    compare_samples(theirs["samples"]["fuzzed"], ours["samples"]["fuzzed"])
+    assert_same_scores(theirs, ours, "fuzzed")
 
 
 def assert_close_values(a, b, rtol):
