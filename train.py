@@ -32,7 +32,7 @@ from tqdm import tqdm
 import gpt
 import jobs
 from evaluate import Evaluator, EvaluatorConfig, RolloutEvaluation, check_processes, start_processes
-from inference import MIN_TEMPERATURE, cut_at_stop
+from inference import MIN_TEMPERATURE
 from jobs import (ByteTokenizer, ExecutionSpec, Node, UsageError, builtin_items, job, load_checkpoint,
                   load_tokenizer, option, save_checkpoint)
 
@@ -249,8 +249,6 @@ class RLConfig:
     prompts: int = option(16, "training prompts of addition per step")
     samples: int = option(8, "answers sampled per prompt (the group whose mean is the baseline)")
     temperature: float = option(1.0, "sampling temperature of the rollouts (the policy trained)")
-    reward: str = option("exact", "exact: the evaluation's own score (exact match, 1 or 0); digits: the "
-                                  "share of the answer's characters generated in their place")
     normalize: bool = option(False, "divide each advantage by its prompt's reward std (as GRPO)")
     lr: float = option(1e-4, "learning rate (AdamW), constant after --warmup steps")
     warmup: int = option(5, "steps of linear warmup")
@@ -271,20 +269,11 @@ class RLConfig:
         for name in ("steps", "prompts", "samples", "ckpt_every"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
-        if self.reward not in ("exact", "digits"):
-            raise UsageError(f"--reward must be exact or digits, got {self.reward!r}")
         if not MIN_TEMPERATURE <= self.temperature < math.inf:
             raise UsageError(f"--temperature must be in [{MIN_TEMPERATURE:g}, inf): the rollouts are sampled")
         if not 0 <= self.seed <= jobs.MAX_SEED:
             raise UsageError(f"--seed must be in [0, {jobs.MAX_SEED}] (what the PRNG takes), got {self.seed}")
         check_processes(self)
-
-
-def places_right(output: str, answer: str) -> float:
-    """The share of the answer's characters that the output has in the same place: a denser
-    reward than exact match (1 exactly where exact match is 1)."""
-    output, answer = output.strip(), answer.strip()
-    return sum(a == b for a, b in zip(output, answer)) / max(len(output), len(answer), 1)
 
 
 def advantages(rewards_NK: np.ndarray, normalize: bool) -> np.ndarray:
@@ -353,17 +342,7 @@ class ReinforceTrainer(BaseTrainer):
                                           temperature=self.cfg.temperature, seed=self.step)
         tokens_BL = np.stack([t for t, _ in rows[self.TASK]])
         mask_BL = np.stack([m for _, m in rows[self.TASK]])
-        generated_BL = generated_positions(mask_BL, self.MAX_NEW_TOKENS)
-        rewards = scores[self.TASK]
-        if self.cfg.reward == "digits":
-            rewards = np.array([places_right(self.answer_text(t[g]), s["answer"])
-                                for t, g, s in zip(tokens_BL, generated_BL, samples)])
-        return rewards, tokens_BL, mask_BL, generated_BL
-
-    def answer_text(self, generated: np.ndarray) -> str:
-        """A rollout's generated tokens as the evaluation reads them: EOS dropped, cut at the stop string."""
-        ids = [int(i) for i in generated if i != self.tokenizer.eos_token_id]
-        return cut_at_stop(self.tokenizer.decode(ids), ("\n",))
+        return scores[self.TASK], tokens_BL, mask_BL, generated_positions(mask_BL, self.MAX_NEW_TOKENS)
 
     def reinforce_step(self, tx: optax.GradientTransformation) -> Callable:
         """One AdamW step on reinforce_loss over a batch of rollout rows."""
