@@ -1197,9 +1197,13 @@ def test_registry_and_jobs_cli(capsys):
         assert field.metadata["help"] in line, line
     trained = subprocess.run([sys.executable, str(ROOT / "train.py"), "--help"], capture_output=True, text=True)
     assert trained.returncode == 0 and "--micro-batch-size" in trained.stdout and "optimizer steps" in trained.stdout
+    reinforced = subprocess.run([sys.executable, str(ROOT / "train.py"), "--rl", "--help"], capture_output=True, text=True)
+    assert reinforced.returncode == 0 and "--samples" in reinforced.stdout and "--micro-batch-size" not in reinforced.stdout
     for args, needle in [(["nope/job"], "unknown job"), (["gpt/train/pretrain", "--stepz", "3"], "--stepz"),
                          (["gpt/train/pretrain", "--steps", "three"], "must be int"),
-                         (["gpt/train/pretrain", "--steps", "0"], "--steps")]:
+                         (["gpt/train/pretrain", "--steps", "0"], "--steps"), (["gpt/train/rl"], "--init CKPT is needed"),
+                         (["gpt/train/rl", "--init", "/nonexistent"], "does not exist"),
+                         (["gpt/train/rl", "--init", "x", "--temperature", "0"], "--temperature")]:
         assert jobs.main(args) == 2  # what `python jobs.py ARGS` exits with
         assert needle in capsys.readouterr().err
 
@@ -1356,16 +1360,17 @@ def test_rl_steps_raise_a_toy_reward(small, tiny_ckpt, tmp_path, mesh, monkeypat
     assert config_json["step"] == 6 and model == trainer.model
 
 
-def rollouts_and_records(small, seed=5):
-    """Sampled rollouts of the addition-like GEN prompts: (scores, rows, records, the evaluation)."""
+def sampled_rollouts(small, records=False):
+    """Sampled generations of the GEN prompts, three each: (scores, rows), and the records of
+    the same run again (the texts scored) if asked."""
     ev = evaluator(small, [])
     gen = evaluate.RolloutEvaluation("gen", GEN * 3, max_new_tokens=6)
-    scores, rows = gen(ev, ev.tokenizer, reduce="none", return_intermediates=True, temperature=1.0, seed=seed)
-    return scores, rows, gen.result(ev, ev.tokenizer, temperature=1.0, seed=seed).records
+    scores, rows = gen(ev, ev.tokenizer, reduce="none", return_intermediates=True, temperature=1.0, seed=5)
+    return scores, rows, gen.result(ev, ev.tokenizer, temperature=1.0, seed=5).records if records else None
 
 
 def test_rollouts_returned_are_what_the_evaluation_scored(small):
-    scores, rows, records = rollouts_and_records(small)
+    scores, rows, records = sampled_rollouts(small, records=True)
     assert len(rows) == len(records) == len(GEN) * 3
     for (tokens, mask), record, score in zip(rows, records, scores):
         prompt = list(GEN[record["index"] % len(GEN)]["prompt"].encode())[-(SMALL["block_size"] - 6):]  # as cut
@@ -1381,7 +1386,7 @@ def test_rl_gradient_is_zero_at_prompt_and_padding_positions(small):
     """d loss / d logits on real rollout rows: nonzero where a generated token is predicted
     (advantage != 0), exactly zero where the target is a prompt token or padding."""
     model, host = small
-    _, rows, _ = rollouts_and_records(small)
+    _, rows, _ = sampled_rollouts(small)
     tokens_BL, mask_BL = np.stack([t for t, _ in rows]), np.stack([m for _, m in rows])
     generated_BL = train.generated_positions(mask_BL, 6)
     advantages_B = np.linspace(-1, 1, len(rows), dtype=np.float32) + 0.05  # none is 0
