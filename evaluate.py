@@ -1144,7 +1144,7 @@ def check_text(text: str, what: str, where: str) -> None:
 
 def check_options(cfg: EvaluatorConfig) -> None:
     """Every option in range, before anything is built: one line naming the option otherwise."""
-    for name in ("batch_size", "chunks", "num_processes"):
+    for name in ("batch_size", "chunks"):
         if getattr(cfg, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
     for name in ("limit", "max_new_tokens"):
@@ -1156,12 +1156,7 @@ def check_options(cfg: EvaluatorConfig) -> None:
         raise UsageError(f"--top-p must be in (0, 1], got {cfg.top_p}")
     if cfg.dtype not in ("float32", "bfloat16"):
         raise UsageError(f"--dtype must be float32 or bfloat16, got {cfg.dtype!r}")
-    if not 0 <= cfg.process_id < cfg.num_processes:
-        raise UsageError(f"--process-id must be in [0, {cfg.num_processes})")
-    if cfg.num_processes > 1 and not cfg.coordinator:
-        raise UsageError("--num-processes > 1 needs --coordinator HOST:PORT")
-    if cfg.coordinator is not None:
-        check_address(cfg.coordinator)
+    check_processes(cfg)
     if not 0 <= cfg.seed <= MAX_SEED:
         raise UsageError(f"--seed must be in [0, {MAX_SEED}] (what the PRNG takes), got {cfg.seed}")
     if cfg.mesh is not None:
@@ -1171,6 +1166,19 @@ def check_options(cfg: EvaluatorConfig) -> None:
             raise UsageError(f"--mesh: {e}") from None
     check_out_beside_checkpoint(cfg)
     check_task_options(cfg)
+
+
+def check_processes(cfg: Any) -> None:
+    """--coordinator, --num-processes and --process-id of a multi-process run (of evaluate.py
+    or of a trainer that has them too)."""
+    if cfg.num_processes < 1:
+        raise UsageError("--num-processes must be at least 1")
+    if not 0 <= cfg.process_id < cfg.num_processes:
+        raise UsageError(f"--process-id must be in [0, {cfg.num_processes})")
+    if cfg.num_processes > 1 and not cfg.coordinator:
+        raise UsageError("--num-processes > 1 needs --coordinator HOST:PORT")
+    if cfg.coordinator is not None:
+        check_address(cfg.coordinator)
 
 
 def check_out_beside_checkpoint(cfg: EvaluatorConfig) -> None:
@@ -1207,7 +1215,7 @@ def check_address(text: str) -> None:
 # ----------------------------------------------------------------------------- command line
 
 
-def start_processes(cfg: EvaluatorConfig) -> None:
+def start_processes(cfg: Any) -> None:
     """Join a multi-process (multi-host) run; on CPU the collectives go through gloo."""
     if cfg.num_processes > 1 or cfg.coordinator:
         # must happen before anything touches a device; the setting only affects CPU devices

@@ -116,7 +116,9 @@ class Scored:
 class Generation:
     """One generate_until request's outcome: the text (cut at a stop string), the new token
     ids (up to EOS, or through the token that completed the stop string), whether the prompt
-    was cut from the left to fit, the prompt row run."""
+    was cut from the left to fit, and, kept only when asked for, the rollout as a row (tokens,
+    mask): the prompt's slots, left-padded, then n_new slots holding the new tokens through
+    the one that ended decoding (EOS included), right-padded (see rollout_row)."""
 
     text: str
     tokens: List[int]
@@ -410,6 +412,16 @@ SORT_WINDOW = 8  # blocks' worth of requests sorted by length at a time
 LOGITS_BYTES = 1 << 28  # float32 logits unembedded at a time when scoring (256 MB)
 UNEMBED_PIECE = 128  # scored positions per share unembedded at a time: the loop skips padding in these steps
 PROGRESS_SECONDS = 5.0  # between two progress lines when stderr is not a terminal
+
+
+def rollout_row(tokens_P: np.ndarray, mask_P: np.ndarray, new: List[int], n_new: int) -> Tuple[np.ndarray, np.ndarray]:
+    """(tokens, mask) [P + n_new] of one generation: its left-padded prompt row, then the new
+    tokens that were decoded for it (what its text and score come from), then padding. A
+    trainer takes the real tokens of the last n_new slots as the generated ones."""
+    tokens = np.concatenate([tokens_P, np.zeros(n_new, tokens_P.dtype)])
+    mask = np.concatenate([mask_P, np.zeros(n_new, bool)])
+    tokens[len(tokens_P):len(tokens_P) + len(new)], mask[len(tokens_P):len(tokens_P) + len(new)] = new, True
+    return tokens, mask
 
 
 def padded_length(n: int, cap: int) -> int:
@@ -938,7 +950,8 @@ class InferenceJob:
                                                            for b, e in zip(began, ends)),
                                            len(prefix) + len(queue) * own, row_steps,
                                            len(prefix) + rows * (own + n_new)))
-        return [self.generation(r, news[i], ends[i], len(r.prompt) > room, (tokens[i], mask[i]) if keep_rows else None)
+        return [self.generation(r, news[i], ends[i], len(r.prompt) > room,
+                                rollout_row(tokens[i], mask[i], news[i][:ends[i]], n_new) if keep_rows else None)
                 for i, r in enumerate(queue)]
 
     def refill_row(self, refill: Callable, rollout: Any, row: int, tokens_P: np.ndarray, mask_P: np.ndarray,

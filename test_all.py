@@ -1575,9 +1575,13 @@ def test_registry_and_jobs_cli(capsys):
         assert field.metadata["help"] in line, line
     trained = subprocess.run([sys.executable, str(ROOT / "train.py"), "--help"], capture_output=True, text=True)
     assert trained.returncode == 0 and "--micro-batch-size" in trained.stdout and "optimizer steps" in trained.stdout
+    reinforced = subprocess.run([sys.executable, str(ROOT / "train.py"), "--rl", "--help"], capture_output=True, text=True)
+    assert reinforced.returncode == 0 and "--samples" in reinforced.stdout and "--micro-batch-size" not in reinforced.stdout
     for args, needle in [(["nope/job"], "unknown job"), (["gpt/train/pretrain", "--stepz", "3"], "--stepz"),
                          (["gpt/train/pretrain", "--steps", "three"], "must be int"),
-                         (["gpt/train/pretrain", "--steps", "0"], "--steps")]:
+                         (["gpt/train/pretrain", "--steps", "0"], "--steps"), (["gpt/train/rl"], "--init CKPT is needed"),
+                         (["gpt/train/rl", "--init", "/nonexistent"], "does not exist"),
+                         (["gpt/train/rl", "--init", "x", "--temperature", "0"], "--temperature")]:
         assert jobs.main(args) == 2  # what `python jobs.py ARGS` exits with
         assert needle in capsys.readouterr().err
 
@@ -1695,6 +1699,81 @@ def test_trainer_learns_and_evaluates_through_from_trainer(tmp_path):
     with pytest.raises(UsageError, match="another run is writing to"):
         train.BaseTrainer(spec).run()
     held.release()
+
+
+# prompts of `small` and a printable byte it gives each a probability of 0.33, 0.22 and 0.16
+CHOSEN = {"7": "A", "a b c": "u", "hello": "W"}
+
+
+class ChosenToken(train.ReinforceTrainer):
+    """The RL stage on a toy reward: one new token, 1 where it is the prompt's chosen byte."""
+
+    TASK, MAX_NEW_TOKENS, EVALUATION = "chosen", 1, ["grammar"]
+
+    def prompt_groups(self):
+        while True:
+            for prompt, answer in CHOSEN.items():
+                yield from [{"prompt": prompt, "answer": answer}] * self.cfg.samples
+
+
+def chosen_probability(model, variables):
+    """The expected reward: the mean probability of each prompt's chosen byte."""
+    return np.mean([jax.nn.softmax(logits_of(model, variables, np.array([list(p.encode())]))[0, -1])[ord(c)]
+                    for p, c in CHOSEN.items()])
+
+
+@pytest.mark.parametrize("mesh", [(1, 1), (4, 2)])
+def test_rl_steps_raise_a_toy_reward(small, tiny_ckpt, tmp_path, mesh, monkeypatch):
+    monkeypatch.setattr(jobs.ExecutionSpec, "make_mesh", lambda spec: mesh_of(*mesh))  # 1x1 of the 8 devices
+    config = train.RLConfig(init=str(tiny_ckpt), out=str(tmp_path / "rl"), steps=6, prompts=len(CHOSEN), samples=8,
+                            lr=3e-3, warmup=0, quiet=True)
+    trainer = ChosenToken(jobs.ExecutionSpec(name="gpt/train/rl", out_dir=config.out, cfg=config))
+    trainer.run()
+    log = [json.loads(line) for line in (tmp_path / "rl" / "train_log.jsonl").read_text().splitlines()]
+    rewards = [r["reward"] for r in log if "reward" in r]
+    before, after = chosen_probability(*small), chosen_probability(trainer.model, jax.device_get(trainer.variables))
+    assert before < 0.3 and after > before + 0.3 and np.mean(rewards[-2:]) > np.mean(rewards[:2]) + 0.2, rewards
+    assert set(log[-1]["eval"]) == {"grammar"}  # Evaluator.from_trainer at the end
+    model, _, config_json = jobs.load_checkpoint(str(tmp_path / "rl"), mesh_of())
+    assert config_json["step"] == 6 and model == trainer.model
+
+
+def sampled_rollouts(small, records=False):
+    """Sampled generations of the GEN prompts, three each: (scores, rows), and the records of
+    the same run again (the texts scored) if asked."""
+    ev = evaluator(small, [])
+    gen = evaluate.RolloutEvaluation("gen", GEN * 3, max_new_tokens=6)
+    scores, rows = gen(ev, ev.tokenizer, reduce="none", return_intermediates=True, temperature=1.0, seed=5)
+    return scores, rows, gen.result(ev, ev.tokenizer, temperature=1.0, seed=5).records if records else None
+
+
+def test_rollouts_returned_are_what_the_evaluation_scored(small):
+    scores, rows, records = sampled_rollouts(small, records=True)
+    assert len(rows) == len(records) == len(GEN) * 3
+    for (tokens, mask), record, score in zip(rows, records, scores):
+        prompt = list(GEN[record["index"] % len(GEN)]["prompt"].encode())[-(SMALL["block_size"] - 6):]  # as cut
+        assert tokens[:-6][mask[:-6]].tolist() == prompt and not mask[:-6][:-len(prompt)].any()  # left-padded
+        new = tokens[-6:][mask[-6:]].tolist()
+        assert mask[-6:].tolist() == [True] * len(new) + [False] * (6 - len(new))
+        text = jobs.ByteTokenizer().decode(new[:-1] if new and new[-1] == 256 else new)
+        assert inference.cut_at_stop(text, ("\n",)) == record["output"]
+        assert score == float(record["output"].strip() == record["answer"].strip()) == record["score"]
+
+
+def test_rl_gradient_is_zero_at_prompt_and_padding_positions(small):
+    """d loss / d logits on real rollout rows: nonzero where a generated token is predicted
+    (advantage != 0), exactly zero where the target is a prompt token or padding."""
+    model, host = small
+    _, rows, _ = sampled_rollouts(small)
+    tokens_BL, mask_BL = np.stack([t for t, _ in rows]), np.stack([m for _, m in rows])
+    generated_BL = train.generated_positions(mask_BL, 6)
+    advantages_B = np.linspace(-1, 1, len(rows), dtype=np.float32) + 0.05  # none is 0
+    logits = logits_of(model, host, tokens_BL[:, :-1], mask_BL[:, :-1])
+    grad = jax.grad(train.reinforce_loss)(jnp.asarray(logits), tokens_BL[:, 1:], generated_BL[:, 1:],
+                                          advantages_B, 1.0)
+    touched_BT = np.abs(np.asarray(grad)).max(-1) > 0
+    assert generated_BL[:, 1:].any() and (~generated_BL[:, 1:]).any()
+    np.testing.assert_array_equal(touched_BT, generated_BL[:, 1:])
 
 
 def test_gen_stop_strings_per_line_and_from_the_command_line(small, tmp_path):

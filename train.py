@@ -3,20 +3,25 @@
     python train.py                          # 600 steps on CPU (about 4 minutes), into runs/train
     python train.py --steps 300 --out DIR    # the same as: python jobs.py gpt/train/pretrain ...
     python evaluate.py --ckpt runs/train     # score the checkpoint it wrote
+    python train.py --rl --init runs/train --out runs/rl   # then reinforce its addition (gpt/train/rl)
 
 Reading order: TrainConfig -> the training text (a mix of the four built-in tasks) ->
 BaseTrainer: optimizer, batches, one jitted step, the loop (checkpoints, logs, and an
-evaluation through Evaluator.from_trainer at the end).
+evaluation through Evaluator.from_trainer at the end) -> the reinforcement-learning stage:
+RLConfig, advantages, the REINFORCE loss, ReinforceTrainer (rollouts through
+Evaluator.evaluate, one jitted step, the same loop).
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import math
 import random
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -26,8 +31,10 @@ from tqdm import tqdm
 
 import gpt
 import jobs
-from evaluate import Evaluator
-from jobs import ByteTokenizer, ExecutionSpec, Node, UsageError, builtin_items, job, option, save_checkpoint
+from evaluate import Evaluator, EvaluatorConfig, RolloutEvaluation, check_processes, start_processes
+from inference import MIN_TEMPERATURE
+from jobs import (ByteTokenizer, ExecutionSpec, Node, UsageError, builtin_items, job, load_checkpoint,
+                  load_tokenizer, option, save_checkpoint)
 
 
 @dataclasses.dataclass
@@ -223,5 +230,171 @@ class BaseTrainer:
         return scores
 
 
+# ----------------------------------------------------------------------------- reinforcement learning
+# REINFORCE on the evaluation's own rollouts, as nanochat's chat_rl.py does: each step samples
+# k answers to each of a few training prompts of addition through Evaluator.evaluate (the
+# decoder the evaluation runs), rewards each with the evaluation's own score (exact match, 1 or
+# 0), and raises the log-probability of the generated tokens of the answers that did better
+# than their prompt's mean, lowering the others'. No KL term and no clipped ratio: every
+# step's answers come from the current weights.
+
+
+@dataclasses.dataclass
+class RLConfig:
+    """Options of `python train.py --rl` (the job gpt/train/rl)."""
+
+    init: str = option("", "native checkpoint to start from (python train.py writes runs/train)")
+    out: str = option("runs/rl", "checkpoint directory, then what evaluate.py --ckpt takes")
+    steps: int = option(100, "optimizer steps, one batch of rollouts each")
+    prompts: int = option(16, "training prompts of addition per step")
+    samples: int = option(8, "answers sampled per prompt (the group whose mean is the baseline)")
+    temperature: float = option(1.0, "sampling temperature of the rollouts (the policy trained)")
+    normalize: bool = option(False, "divide each advantage by its prompt's reward std (as GRPO)")
+    lr: float = option(1e-4, "learning rate (AdamW), constant after --warmup steps")
+    warmup: int = option(5, "steps of linear warmup")
+    weight_decay: float = option(0.0, "AdamW weight decay on matrices")
+    eval_every: int = option(0, "evaluate every N steps (0: only at the end)")
+    ckpt_every: int = option(50, "write a checkpoint every N steps (and at the end)")
+    seed: int = option(0, "order of the training prompts")
+    mesh: Optional[str] = option(None, "device mesh BATCHxSHARD (default: every device on batch)")
+    quiet: bool = option(False, "no progress output")
+    coordinator: Optional[str] = option(None, "HOST:PORT of process 0, for a multi-process run")
+    num_processes: int = option(1, "processes in a multi-process run")
+    process_id: int = option(0, "this process's index in a multi-process run")
+
+    def validate(self) -> None:
+        if not self.init:
+            raise UsageError("--init CKPT is needed: the native checkpoint to start from (python train.py "
+                             "writes runs/train)")
+        for name in ("steps", "prompts", "samples", "ckpt_every"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+        if not MIN_TEMPERATURE <= self.temperature < math.inf:
+            raise UsageError(f"--temperature must be in [{MIN_TEMPERATURE:g}, inf): the rollouts are sampled")
+        if not 0 <= self.seed <= jobs.MAX_SEED:
+            raise UsageError(f"--seed must be in [0, {jobs.MAX_SEED}] (what the PRNG takes), got {self.seed}")
+        check_processes(self)
+
+
+def advantages(rewards_NK: np.ndarray, normalize: bool) -> np.ndarray:
+    """Each reward minus the mean of its prompt's k samples (and divided by their std), [N * K].
+    A prompt whose answers all scored alike teaches nothing: its advantages are 0."""
+    centred_NK = rewards_NK - rewards_NK.mean(1, keepdims=True)
+    if normalize:
+        centred_NK = centred_NK / (rewards_NK.std(1, keepdims=True) + 1e-6)
+    return centred_NK.reshape(-1).astype(np.float32)
+
+
+def reinforce_loss(logits_BTV: jax.Array, targets_BT: jax.Array, generated_BT: jax.Array,
+                   advantages_B: jax.Array, temperature: float) -> jax.Array:
+    """-(advantage x log-probability) of each generated token under the sampling policy
+    (logits / temperature), averaged over generated tokens. Prompt and padding positions are
+    dropped by `where`, not multiplied by 0, so their gradient is exactly zero."""
+    nll_BT = gpt.token_nll(logits_BTV / temperature, targets_BT)
+    weighted_BT = jnp.where(generated_BT, advantages_B[:, None] * nll_BT, 0.0)  # -(advantage x log p)
+    return weighted_BT.sum() / jnp.maximum(generated_BT.sum(), 1)
+
+
+def generated_positions(mask_BL: np.ndarray, n_new: int) -> np.ndarray:
+    """True at the real tokens of a rollout row's last n_new slots (inference.rollout_row)."""
+    return mask_BL & (np.arange(mask_BL.shape[1]) >= mask_BL.shape[1] - n_new)
+
+
+@job("gpt/train/rl")
+class ReinforceTrainer(BaseTrainer):
+    """Reinforce a trained GPT's addition on the evaluation's own rollouts (REINFORCE)."""
+
+    CONFIG = RLConfig
+    TASK, MAX_NEW_TOKENS = "addition", 8  # as the built-in evaluation decodes it
+
+    def __init__(self, spec: ExecutionSpec, base: Optional[Node] = None):
+        self.spec, self.cfg = spec, spec.cfg or RLConfig()
+        start_processes(self.cfg)  # before anything touches a device
+        self.base = base or Node(self.cfg.init)
+        self.mesh = spec.make_mesh()
+        self.model, self.variables, config = load_checkpoint(self.base.path, self.mesh)
+        self.tokenizer = load_tokenizer(config, self.base.path)
+        self.step, rows = 0, self.cfg.prompts * self.cfg.samples
+        if rows % self.mesh.shape["batch"]:
+            raise UsageError(f"--prompts x --samples ({rows}) must be a multiple of the mesh's batch size "
+                             f"{self.mesh.shape['batch']}")
+
+    def optimizer(self) -> optax.GradientTransformation:
+        c = self.cfg
+        schedule = optax.linear_schedule(0.0, c.lr, c.warmup) if c.warmup else c.lr
+        decay = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+        return optax.chain(optax.clip_by_global_norm(1.0),
+                           optax.adamw(schedule, b2=0.95, weight_decay=c.weight_decay, mask=decay))
+
+    def prompt_groups(self) -> Iterator[Dict[str, str]]:
+        """Each step's samples: --prompts training items (never held-out ones), each --samples times."""
+        items = builtin_items(self.TASK, "train", self.spec.seed)
+        while True:
+            for prompt, answer in itertools.islice(items, self.cfg.prompts):
+                yield from [{"prompt": prompt, "answer": answer}] * self.cfg.samples
+
+    def rollouts(self, evaluator: Evaluator, samples: List[Dict[str, str]]) -> Tuple[np.ndarray, ...]:
+        """(rewards [N*K], tokens [N*K, L], mask, generated) of one step's samples, decoded by the
+        evaluator with the live parameters; every process holds them all."""
+        evaluator.variables = self.variables  # its kernels take the parameters as an argument: no recompiling
+        evaluator.evaluations = [RolloutEvaluation(self.TASK, samples, max_new_tokens=self.MAX_NEW_TOKENS)]
+        scores, rows = evaluator.evaluate(reduce="none", return_intermediates=True,
+                                          temperature=self.cfg.temperature, seed=self.step)
+        tokens_BL = np.stack([t for t, _ in rows[self.TASK]])
+        mask_BL = np.stack([m for _, m in rows[self.TASK]])
+        return scores[self.TASK], tokens_BL, mask_BL, generated_positions(mask_BL, self.MAX_NEW_TOKENS)
+
+    def reinforce_step(self, tx: optax.GradientTransformation) -> Callable:
+        """One AdamW step on reinforce_loss over a batch of rollout rows."""
+        model, temperature = self.model, self.cfg.temperature
+
+        def loss_fn(params, tokens_BL, mask_BL, generated_BL, advantages_B):
+            logits_BTV, _ = model.apply({"params": params}, tokens_BL[:, :-1], padding_mask=mask_BL[:, :-1],
+                                        deterministic=True)
+            return reinforce_loss(logits_BTV, tokens_BL[:, 1:], generated_BL[:, 1:], advantages_B, temperature)
+
+        def step(state, *batch):
+            params, opt_state = state
+            loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return (optax.apply_updates(params, updates), opt_state), loss
+
+        return step
+
+    def train(self) -> None:
+        c = self.cfg
+        tx = self.optimizer()
+        params = self.variables["params"]
+        state = (params, self.place_optimizer_state(jax.jit(tx.init)(params)))
+        step = jax.jit(self.reinforce_step(tx), out_shardings=(jax.tree.map(lambda x: x.sharding, state), None),
+                       donate_argnums=0)
+        evaluator = Evaluator.from_parts(self.spec, self.model, self.variables, self.tokenizer, self.mesh, [],
+                                         EvaluatorConfig(quiet=True, batch_size=c.prompts * c.samples))
+        bar = tqdm(total=c.steps, desc="rl", disable=c.quiet or not sys.stderr.isatty())
+        samples, started, last_line = self.prompt_groups(), time.time(), 0.0
+        for self.step in range(1, c.steps + 1):
+            group = list(itertools.islice(samples, c.prompts * c.samples))
+            rewards, *rows = self.rollouts(evaluator, group)
+            advantage = advantages(rewards.reshape(c.prompts, c.samples), c.normalize)
+            state, loss = step(state, *(evaluator.put(a, 0) for a in (*rows, advantage)))  # each process its rows
+            self.variables = {"params": state[0]}
+            rate = c.prompts * c.samples * self.step / (time.time() - started)
+            bar.set_postfix(reward=f"{rewards.mean():.3f}", samples_s=f"{rate:,.0f}")
+            self.log({"step": self.step, "reward": float(rewards.mean()), "loss": float(loss), "samples_per_s": rate})
+            if bar.disable and not c.quiet and time.time() - last_line > self.LOG_EVERY_S:
+                self.say(f"step {self.step}/{c.steps}: reward {rewards.mean():.3f}, {rate:,.0f} samples/s")
+                last_line = time.time()
+            bar.update(1)
+            if self.step % c.ckpt_every == 0 or self.step == c.steps:
+                self.save()
+            if c.eval_every and self.step % c.eval_every == 0 and self.step != c.steps:
+                self.evaluate()
+        bar.close()
+        self.evaluate()
+        self.say(f"checkpoint: {c.out} (python evaluate.py --ckpt {c.out})")
+
+
 if __name__ == "__main__":
-    sys.exit(jobs.main([BaseTrainer.KEY, *sys.argv[1:]]))
+    # `python train.py --rl ...` is the job gpt/train/rl; without --rl, gpt/train/pretrain
+    key = ReinforceTrainer.KEY if "--rl" in sys.argv[1:] else BaseTrainer.KEY
+    sys.exit(jobs.main([key, *(arg for arg in sys.argv[1:] if arg != "--rl")]))
