@@ -190,17 +190,33 @@ class BaseTrainer:
                 rate = tokens_per_step * self.step / (time.time() - started)
                 bar.set_postfix(loss=f"{float(loss):.3f}", tok_s=f"{rate:,.0f}")
                 self.log({"step": self.step, "loss": float(loss), "tokens_per_s": rate})
-                if bar.disable and not c.quiet and time.time() - last_line > self.LOG_EVERY_S:
-                    self.say(f"step {self.step}/{c.steps}: loss {float(loss):.3f}, {rate:,.0f} tokens/s")
-                    last_line = time.time()
-            bar.update(1)
-            if self.step % c.ckpt_every == 0 or self.step == c.steps:
-                self.save()
-            if c.eval_every and self.step % c.eval_every == 0 and self.step != c.steps:
-                self.evaluate()
+                last_line = self.progress_line(bar, f"loss {float(loss):.3f}, {rate:,.0f} tokens/s", last_line)
+            self.after_step(bar)
+        self.finish(bar)
+
+    def progress_line(self, bar: Any, text: str, last_line: float) -> float:
+        """Where no bar shows (a log file, CI), "step N/STEPS: text" every LOG_EVERY_S; the
+        time of the last line printed."""
+        c = self.cfg
+        if bar.disable and not c.quiet and time.time() - last_line > self.LOG_EVERY_S:
+            self.say(f"step {self.step}/{c.steps}: {text}")
+            return time.time()
+        return last_line
+
+    def after_step(self, bar: Any) -> None:
+        """The bar moved; a checkpoint every ckpt_every steps and at the last; an evaluation
+        every eval_every steps (the last one's comes with finish)."""
+        c = self.cfg
+        bar.update(1)
+        if self.step % c.ckpt_every == 0 or self.step == c.steps:
+            self.save()
+        if c.eval_every and self.step % c.eval_every == 0 and self.step != c.steps:
+            self.evaluate()
+
+    def finish(self, bar: Any) -> None:
         bar.close()
         self.evaluate()
-        self.say(f"checkpoint: {c.out} (python evaluate.py --ckpt {c.out})")
+        self.say(f"checkpoint: {self.cfg.out} (python evaluate.py --ckpt {self.cfg.out})")
 
     def place_optimizer_state(self, opt_state: Any) -> Any:
         """Adam's moments inherit their parameter's sharding; step counters are replicated."""
@@ -381,17 +397,9 @@ class ReinforceTrainer(BaseTrainer):
             rate = c.prompts * c.samples * self.step / (time.time() - started)
             bar.set_postfix(reward=f"{rewards.mean():.3f}", samples_s=f"{rate:,.0f}")
             self.log({"step": self.step, "reward": float(rewards.mean()), "loss": float(loss), "samples_per_s": rate})
-            if bar.disable and not c.quiet and time.time() - last_line > self.LOG_EVERY_S:
-                self.say(f"step {self.step}/{c.steps}: reward {rewards.mean():.3f}, {rate:,.0f} samples/s")
-                last_line = time.time()
-            bar.update(1)
-            if self.step % c.ckpt_every == 0 or self.step == c.steps:
-                self.save()
-            if c.eval_every and self.step % c.eval_every == 0 and self.step != c.steps:
-                self.evaluate()
-        bar.close()
-        self.evaluate()
-        self.say(f"checkpoint: {c.out} (python evaluate.py --ckpt {c.out})")
+            last_line = self.progress_line(bar, f"reward {rewards.mean():.3f}, {rate:,.0f} samples/s", last_line)
+            self.after_step(bar)
+        self.finish(bar)
 
 
 if __name__ == "__main__":
