@@ -36,12 +36,15 @@ With --limits, only bench_limits runs: no transformers, no torch (see its docstr
 With --shapes, only bench_shapes runs: MMLU-, hellaswag-, gsm8k-, gsm8k-CoT- and
 wikitext-shaped lm-eval tasks through this project's command line and through lm-eval's HF
 model, whole processes side by side, with the work each computed and a check that their
-answers agree.
+answers agree. Our side runs twice: first with an empty persistent compilation cache, then
+the same command again, which loads its programs from the cache; the table counts the
+programs each run compiled.
 With --load DIR, only bench_load runs: the checkpoint DIR (HuggingFace or native) loaded
 onto the mesh of every device in a fresh process, its time and peak host memory, beside
 reading its weight files once with `cat > /dev/null`.
 
-Every timing is a warm-up call (which compiles), then --reps rounds in which the
+Every report begins with the date and the commit it was measured on ("+changes": the
+working tree differs from that commit). Every timing is a warm-up call (which compiles), then --reps rounds in which the
 contenders take turns, so that other processes' load falls on all of them alike; the
 tables show the best (and median) of the rounds.
 FLOPs are GPT.flops(seq) / 3 (forward only; attention counted over the full T x T).
@@ -664,14 +667,29 @@ NAMES, ITEMS = ("Tom", "Ana", "Lee", "Sam", "Mia", "Raj"), ("apples", "books", "
 # imports (no torch, not bench.py).
 OUR_SIDE = """
 import json, sys
+import jax
 import evaluate
 from jobs import ExecutionSpec, Node, parse_options
+compiled, loaded = [], []
+
+def on_event(event, **meta):  # a hit comes within its program's compile event
+    if event == "/jax/compilation_cache/cache_hits":
+        loaded.append(1)
+
+def on_duration(event, seconds, **meta):  # a program loaded from the cache is reported here too
+    if event == "/jax/core/compile/backend_compile_duration" and not (loaded and loaded.pop()):
+        compiled.append(meta.get("fun_name", "?"))
+
+jax.monitoring.register_event_listener(on_event)
+jax.monitoring.register_event_duration_secs_listener(on_duration)
 cfg = parse_options(evaluate.EvaluatorConfig, sys.argv[1:])
 cfg.validate()
+evaluate.use_compile_cache(cfg.no_compile_cache)
 spec = ExecutionSpec(name=evaluate.BackboneEvaluate.KEY, out_dir=cfg.out, seed=cfg.seed, cfg=cfg)
 job = evaluate.BackboneEvaluate(spec, Node(cfg.ckpt))
 job.run()
-print(json.dumps({"blocks": job.blocks_run, "rollouts": [r._asdict() for r in job.rollouts_run]}))
+print(json.dumps({"blocks": job.blocks_run, "rollouts": [r._asdict() for r in job.rollouts_run],
+                  "compiled": compiled}))
 """
 
 # lm-eval's side: its HF model on the same directory and task, with every forward call's
@@ -867,10 +885,10 @@ def build_shapes(cfg: BenchConfig, workdir: Path, say: Callable[[str], None]) ->
     return built
 
 
-def run_side(command: List[str], cache: Path) -> Tuple[float, Dict[str, Any]]:
+def run_side(command: List[str], cache: Path, env: Dict[str, str] = {}) -> Tuple[float, Dict[str, Any]]:
     """(whole wall seconds, the JSON it printed last) of one contender's process. Each gets
     a fresh datasets cache, so both pay for reading the JSONL files."""
-    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(cache)}
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(cache), **env}
     started = time.perf_counter()
     proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parent)
     seconds = time.perf_counter() - started
@@ -879,11 +897,14 @@ def run_side(command: List[str], cache: Path) -> Tuple[float, Dict[str, Any]]:
     return seconds, json.loads(proc.stdout.splitlines()[-1])
 
 
-def run_ours(cfg: BenchConfig, built: Dict[str, Any], task: str, out: Path) -> Tuple[float, Dict[str, Any]]:
-    """This project's side: its command line's job on the task, then its samples and scores."""
+def run_ours(cfg: BenchConfig, built: Dict[str, Any], task: str, out: Path,
+             compile_cache: Path) -> Tuple[float, Dict[str, Any]]:
+    """This project's side: its command line's job on the task, then its samples and scores,
+    with its persistent compilation cache in `compile_cache` (empty: a first run)."""
     args = ["--ckpt", built["model"], "--tasks", task, "--include-path", built["tasks"], "--batch-size",
             str(cfg.batch), "--dtype", cfg.dtype, "--log-samples", "--bootstrap-iters", "0", "--out", str(out)]
-    seconds, work = run_side([sys.executable, "-c", OUR_SIDE, *args], out / "datasets")
+    seconds, work = run_side([sys.executable, "-c", OUR_SIDE, *args], out / "datasets",
+                             {"JAX_COMPILATION_CACHE_DIR": str(compile_cache), "GPT_EVAL_COMPILE_CACHE": "1"})
     files = json.loads((out / "results.json").read_text())["lm_eval"]
     samples = [json.loads(line) for line in (out / files["samples"][task]).read_text().splitlines()]
     results = json.loads((out / files["results"]).read_text())["results"][task]
@@ -949,9 +970,12 @@ def bench_shapes(cfg: BenchConfig, say: Callable[[str], None]) -> Dict[str, Any]
         say(f"{name}: lm-eval's HF model")
         hf_side = [built["model"], built["tasks"], task, str(cfg.batch), cfg.device, cfg.dtype]
         hf_s, theirs = run_side([sys.executable, "-c", HF_SIDE, *hf_side], runs / "hf-datasets")
-        say(f"{name}: this project")
-        our_s, ours = run_ours(cfg, built, task, runs / "ours")
-        out[name] = {"hf_seconds": hf_s, "our_seconds": our_s, **agreement(theirs, ours),
+        say(f"{name}: this project, a first run (its compilation cache empty), then a second")
+        our_s, ours = run_ours(cfg, built, task, runs / "ours", runs / "compile-cache")
+        again_s, again = run_ours(cfg, built, task, runs / "again", runs / "compile-cache")
+        assert again["samples"] == ours["samples"], f"{name}: a second run answers otherwise"
+        out[name] = {"hf_seconds": hf_s, "our_seconds": our_s, "second_seconds": again_s,
+                     "compiled": ours["compiled"], "compiled_again": again["compiled"], **agreement(theirs, ours),
                      **work_done(theirs, ours)}
         # sums in another order: float32 log-likelihoods agree to ~1e-5 (texts may differ after a near-tie)
         assert out[name]["same_count"] and out[name]["max_rel"] < tolerance(cfg), f"{name}: answers differ: {out[name]}"
@@ -968,15 +992,22 @@ def shapes_table(cfg: BenchConfig, r: Dict[str, Any]) -> str:
              f"machine: {os.cpu_count()} CPUs (load average {r['load'][0]:.1f} -> {r['load'][1]:.1f}); lm-eval's "
              f"HF model on {cfg.device}; batch {cfg.batch} for both; whole processes", "",
              f"  {'workload':10s} {'requests':>8s} {'lm-eval s':>9s} {'ours s':>7s} {'ratio':>6s} "
-             f"{'tokens/request':>15s} {'decoding steps':>22s}  agreement"]
+             f"{'2nd s':>6s} {'ratio':>6s} {'compiled':>8s} {'tokens/request':>15s} {'decoding steps':>22s}  "
+             "agreement"]
     for name, w in r["shapes"]["workloads"].items():
         steps = (f"{w['hf_steps']:6d} {w['our_steps']:6d} ({w['needed_steps']})" if "hf_steps" in w else "-")
+        compiled = f"{len(w['compiled'])} / {len(w['compiled_again'])}"
         lines.append(f"  {name:10s} {w['requests']:8d} {w['hf_seconds']:9.1f} {w['our_seconds']:7.1f} "
-                     f"{w['hf_seconds'] / w['our_seconds']:5.2f}x {w['hf_tokens_per_request']:7.1f} "
+                     f"{w['hf_seconds'] / w['our_seconds']:5.2f}x {w['second_seconds']:6.1f} "
+                     f"{w['hf_seconds'] / w['second_seconds']:5.2f}x {compiled:>8s} {w['hf_tokens_per_request']:7.1f} "
                      f"{w['our_tokens_per_request']:7.1f} {steps:>22s}  log-likelihoods within {w['max_rel']:.1e}, "
                      f"{w['identical']}/{w['compared']} answers identical, scores within {w['scores_rel']:.1e}")
-    lines += ["", "  tokens/request: lm-eval's, then ours; decoding steps: lm-eval's, ours (what the stop "
-              "strings needed)", *(f"  {name}: {SHAPES[name][1]}" for name in r["shapes"]["workloads"])]
+    lines += ["", "  ours: a first run, its compilation cache empty; 2nd: the same command again, its programs "
+              "loaded from the cache; compiled: programs compiled by the first run / the second",
+              "  tokens/request: lm-eval's, then ours; decoding steps: lm-eval's, ours (what the stop "
+              "strings needed)", *(f"  {name}: {SHAPES[name][1]}" for name in r["shapes"]["workloads"]),
+              "", "  programs the first run compiled:",
+              *(f"  {name}: {program_counts(w['compiled'])}" for name, w in r["shapes"]["workloads"].items())]
     if max(r["load"]) > os.cpu_count():
         lines += ["", f"note: the machine was busy (load average up to {max(r['load']):.1f} on {os.cpu_count()} "
                   "CPUs): the wall times are noisy"]
@@ -1148,6 +1179,14 @@ def ragged_table(cfg: BenchConfig, r: Dict[str, Any]) -> List[str]:
     return lines
 
 
+def program_counts(names: List[str]) -> str:
+    """Compiled programs by name, in order of first compilation: "jit(run) x2, ..."."""
+    counts: Dict[str, int] = {}
+    for name in names:
+        counts[name] = counts.get(name, 0) + 1
+    return ", ".join(f"{name} x{n}" for name, n in counts.items()) or "none"
+
+
 def compilation_table(runs: List[Dict[str, Any]]) -> List[str]:
     lines = ["compilation: the built-in suite on the default tiny GPT, twice on one Evaluator",
              f"  {'evaluation':16s} {'run':>3s} {'compiles':>8s} {'compile s':>9s} {'run s':>7s}  compiled"]
@@ -1199,6 +1238,16 @@ def against_transformers(cfg: BenchConfig, log: CompileLog, say: Callable[[str],
     return results
 
 
+def measured_on() -> str:
+    """The date and the commit a table is measured on, the commit marked "+changes" where
+    the working tree's tracked files differ from it (a table of uncommitted code)."""
+    here = Path(__file__).resolve().parent
+    git = lambda *args: subprocess.run(["git", *args], capture_output=True, text=True, cwd=here).stdout.strip()
+    commit = git("rev-parse", "--short", "HEAD") or "unknown (not a git checkout)"
+    changed = git("status", "--porcelain", "--untracked-files=no")
+    return f"{time.strftime('%Y-%m-%d')}, commit {commit}{'+changes' if changed else ''}"
+
+
 def bench(argv: List[str]) -> None:
     cfg = parse_options(BenchConfig, argv)
     if cfg.family not in ("gpt2", "qwen2"):
@@ -1209,7 +1258,8 @@ def bench(argv: List[str]) -> None:
     say = lambda text: print(f"[{time.perf_counter() - started:5.0f} s] {text}", file=sys.stderr, flush=True)
     say(f"bench {dataclasses.asdict(cfg)}")
     log = CompileLog()
-    results: Dict[str, Any] = {"config": dataclasses.asdict(cfg), "load": [os.getloadavg()[0]]}
+    results: Dict[str, Any] = {"config": dataclasses.asdict(cfg), "load": [os.getloadavg()[0]],
+                               "measured_on": measured_on()}
     if cfg.limits:
         say(f"limits: scoring, batch-1 decoding, matmul peak and memory read: warm-up + {cfg.reps} rounds")
         results["limits"] = bench_limits(cfg, log)
@@ -1225,7 +1275,7 @@ def bench(argv: List[str]) -> None:
         print(json.dumps(results, indent=2))
     else:
         report = limits_table if cfg.limits else shapes_table if cfg.shapes else load_table if cfg.load else table
-        print(report(cfg, results))
+        print(f"measured on {results['measured_on']}\n{report(cfg, results)}")
 
 
 if __name__ == "__main__":

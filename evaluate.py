@@ -446,6 +446,8 @@ class EvaluatorConfig:
     dtype: str = option("float32", "parameters and activations: float32 or bfloat16")
     quiet: bool = option(False, "no table and no progress bars on stderr")
     chunks: int = option(16, "batches scanned inside one jitted call")
+    no_compile_cache: bool = option(False, "compile every program afresh: no persistent compilation cache "
+                                    "(default: in ~/.cache/gpt-eval/jax, at most 2 GiB; also GPT_EVAL_COMPILE_CACHE=0)")
     coordinator: Optional[str] = option(None, "HOST:PORT of process 0, for a multi-process run")
     num_processes: int = option(1, "processes in a multi-process run")
     process_id: int = option(0, "this process's index in a multi-process run")
@@ -1224,12 +1226,33 @@ def start_processes(cfg: Any) -> None:
                                    process_id=cfg.process_id)
 
 
+COMPILE_CACHE_BYTES = 2 << 30  # the persistent cache's bound; the least recently used programs go first
+
+
+def use_compile_cache(off: bool) -> None:
+    """JAX's persistent compilation cache, on unless `off` or GPT_EVAL_COMPILE_CACHE=0: a
+    second run of the same shapes loads its compiled programs instead of compiling them
+    (a small run otherwise spends more on compiling than on computing). It lives in
+    $XDG_CACHE_HOME/gpt-eval/jax (~/.cache/gpt-eval/jax), or where JAX_COMPILATION_CACHE_DIR
+    says, and keeps every program, however quickly it compiled (jax's default keeps only
+    those over a second)."""
+    if off or os.environ.get("GPT_EVAL_COMPILE_CACHE") == "0":
+        jax.config.update("jax_enable_compilation_cache", False)
+        return
+    if not jax.config.jax_compilation_cache_dir:
+        cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        jax.config.update("jax_compilation_cache_dir", os.path.join(cache_home, "gpt-eval", "jax"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_compilation_cache_max_size", COMPILE_CACHE_BYTES)
+
+
 def evaluate_command(argv: List[str]) -> None:
     """`python evaluate.py ...`: a HuggingFace directory goes to BackboneEvaluate, a native
     checkpoint or nothing (fresh weights) to Evaluate."""
     cfg = parse_options(EvaluatorConfig, argv)
     cfg.validate()
     start_processes(cfg)
+    use_compile_cache(cfg.no_compile_cache)
     base = resolve_checkpoint(cfg.ckpt, say_on_process_0) if cfg.ckpt else None  # a hub id: its snapshot
     hf = base is not None and Path(base.path).is_dir() and not base.is_native
     cls = BackboneEvaluate if hf else Evaluate

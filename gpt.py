@@ -254,11 +254,14 @@ def attend(q_BTHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allowed_BTS:
     are then batched over (B, K) with S and E where a matmul wants them, so XLA copies
     nothing of the cache at a decoding step (with [B, S, K, E] it transposed every layer's
     keys at every step: 2.6x slower steps at a 545-slot cache on CPU). At a decoding step
-    (one query per row) both products are a multiply and a sum instead, which XLA fuses
-    into one pass over the cache: as matmuls of one row, XLA's CPU dots read the cache at
-    2-3 GB/s (a 117M Llama, 16 rows, 896 slots: 269 -> 125 ms per step). Scores and
-    softmax are float32; fully masked rows (left padding) come out finite and are never
-    read by real tokens.
+    (one query per row) with grouped heads (G = H / K > 1) both products are a multiply and
+    a sum instead, which XLA fuses into one pass over the cache: as matmuls of G rows, XLA's
+    CPU dots read the cache at 2-3 GB/s (a 117M Llama, 16 rows, 896 slots: 269 -> 125 ms per
+    step). With one query head per key head (GPT-2) they stay matmuls: there XLA's CPU
+    fusion of the multiply and sum is 40x slower than the dot (8 rows, 96 slots, 12 heads:
+    4.7 ms a layer against 0.12; a GPT-2-small step 117 -> 42 ms). Scores and softmax are
+    float32; fully masked rows (left padding) come out finite and are never read by real
+    tokens.
 
     prefix (k_KQE, v_KQE): Q keys and values before every row's own S, all of them seen by
     every query (a batch's shared few-shot examples, KVCache.prefix_keys). At a decoding
@@ -276,7 +279,8 @@ def attend(q_BTHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allowed_BTS:
                                        jnp.broadcast_to(allowed_BTS, (B, *allowed_BTS.shape[1:]))], -1)
         prefix = None
     q_BKGTE = q_BTHE.reshape(B, T, K, H // K, E).transpose(0, 2, 3, 1, 4)
-    if T == 1:
+    sums = T == 1 and H > K  # a decoding step with grouped heads: multiplies and sums, not matmuls
+    if sums:
         scores = (q_BKGTE.astype(jnp.float32) * k_BKSE[:, :, None].astype(jnp.float32)).sum(-1)[:, :, :, None]
     else:
         scores = jnp.einsum("bkgte,bkse->bkgts", q_BKGTE, k_BKSE, preferred_element_type=jnp.float32)
@@ -288,7 +292,11 @@ def attend(q_BTHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allowed_BTS:
                                        preferred_element_type=jnp.float32)
             scores, Q = jnp.concatenate([capped(prefix_scores, E, scale, softcap), scores], -1), prefix[0].shape[1]
         probs = jax.nn.softmax(scores, axis=-1)
-        y_BKGE = (probs[:, :, :, 0, Q:, None] * v_BKSE[:, :, None].astype(jnp.float32)).sum(-2)
+        if sums:
+            y_BKGE = (probs[:, :, :, 0, Q:, None] * v_BKSE[:, :, None].astype(jnp.float32)).sum(-2)
+        else:
+            y_BKGE = jnp.einsum("bkgs,bkse->bkge", probs[:, :, :, 0, Q:].astype(v_BKSE.dtype), v_BKSE,
+                                preferred_element_type=jnp.float32)
         if prefix is not None:
             y_BKGE = y_BKGE + jnp.einsum("bkgq,kqe->bkge", probs[:, :, :, 0, :Q].astype(v_BKSE.dtype),
                                          prefix[1].astype(v_BKSE.dtype), preferred_element_type=jnp.float32)
@@ -1070,11 +1078,22 @@ def token_nll(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
 # ----------------------------------------------------------------------------- generation
 
 
+def first_largest(logits_BV: jax.Array) -> jax.Array:
+    """jnp.argmax over the last axis (the first of equal largest values) as a max and a
+    masked min, two fused passes: XLA's CPU argmax, a paired value-and-index reduction, is
+    3x slower (8 rows of 49,152 logits: 0.94 ms against 0.31, at every decoding step). A
+    row holding NaN gets the last index, not the NaN's; decoding refuses such rows anyway
+    (finite_rows)."""
+    V = logits_BV.shape[-1]
+    largest_B1 = logits_BV.max(-1, keepdims=True)
+    return jnp.where(logits_BV == largest_B1, jnp.arange(V, dtype=jnp.int32), V - 1).min(-1)
+
+
 def sample_token(logits_BV: jax.Array, keys_B: Optional[jax.Array], temperature: float,
                  top_p: float) -> jax.Array:
     """Greedy when temperature is 0, else temperature + nucleus (top-p) sampling."""
     if temperature == 0.0:
-        return jnp.argmax(logits_BV, -1).astype(jnp.int32)
+        return first_largest(logits_BV)
     logits = logits_BV.astype(jnp.float32) / temperature
     if top_p < 1.0:  # keep the smallest set of tokens whose probability reaches top_p
         sorted_BV = jnp.sort(logits, -1)[:, ::-1]

@@ -41,7 +41,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["DISABLE_MULTIPROC"] = "1"  # lm-eval's bootstrap stderrs without fork() in a JAX process
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # One persistent compilation cache for the suite and every process it starts: the same tiny
-# programs compile once, not once per command-line run (the suite only; the project sets none)
+# programs compile once, not once per command-line run (the project's default is the user's)
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="gpt-eval-test-jax-cache-"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
@@ -3316,6 +3316,7 @@ TINY_BENCH = ["--layers", "2", "--width", "64", "--heads", "4", "--vocab", "500"
 def bench(*args):
     env = child_env(1)
     env.pop("JAX_COMPILATION_CACHE_DIR")  # bench counts compilations: none may come from a cache
+    env["GPT_EVAL_COMPILE_CACHE"] = "0"  # nor from the user's (the processes of --shapes)
     proc = subprocess.run([sys.executable, str(ROOT / "bench.py"), *TINY_BENCH, *args],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -3357,14 +3358,61 @@ def test_bench_load_mode(ckpt):
     assert load["peak_rss"] > load["rss_before"] and load["seconds"] > 0 and cat_seconds > 0
 
 
+COUNT_COMPILES = r"""
+import json, sys, jax
+import evaluate
+counts = {"compiled": 0, "loaded": 0}
+
+def on_duration(event, seconds, **meta):  # a program loaded from the cache is reported here too
+    counts["compiled"] += event == "/jax/core/compile/backend_compile_duration"
+
+def on_event(event, **meta):
+    counts["loaded"] += event == "/jax/compilation_cache/cache_hits"
+
+jax.monitoring.register_event_duration_secs_listener(on_duration)
+jax.monitoring.register_event_listener(on_event)
+status = evaluate.main(sys.argv[1:])
+counts["compiled"] -= counts["loaded"]
+print(json.dumps({"status": status, **counts}))
+"""
+
+
+def test_a_second_run_compiles_nothing_through_the_default_compile_cache(tmp_path):
+    """The persistent compilation cache is on by default, in the user's cache directory: a
+    second process on the same shapes loads every program and compiles none, with the same
+    results; --no-compile-cache compiles them all again and leaves the cache alone."""
+    env = child_env(1, XDG_CACHE_HOME=str(tmp_path / "home"))
+    for name in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+                 "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"):
+        env.pop(name, None)
+    cache = tmp_path / "home" / "gpt-eval" / "jax"
+
+    def run(out, *more):
+        args = ["--evals", "text,grammar,addition", "--limit", "6", "--quiet", "--out", str(tmp_path / out), *more]
+        proc = subprocess.run([sys.executable, "-c", COUNT_COMPILES, *args], capture_output=True, text=True,
+                              env=env, cwd=ROOT, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.splitlines()[-1])
+
+    first = run("first")
+    entries = sorted(p.name for p in cache.iterdir())
+    second, off = run("second"), run("off", "--no-compile-cache")
+    assert first["compiled"] >= 3 and len(entries) >= first["compiled"]
+    assert second["compiled"] == 0 and second["loaded"] >= first["compiled"]
+    assert off["compiled"] == first["compiled"] and off["loaded"] == 0
+    assert sorted(p.name for p in cache.iterdir()) == entries
+    assert without_timing(tmp_path / "first") == without_timing(tmp_path / "second")
+
+
 @needs_lm_eval
 def test_bench_shapes_beside_lm_evals_hf_model(tmp_path):
     """--shapes, its MMLU-style and gsm8k-CoT-style workloads: lm-eval's templates through
     our command line and through lm-eval's HF model (bench asserts that the log-likelihoods
     agree), the same answers, texts and scores, for at most 60% of the tokens per request on
     MMLU-style (the 5-shot prompts share their prefix: 50% here, 41% with 40 questions) and
-    less than half on gsm8k-CoT-style (its 8 examples once), in no more decoding steps. The
-    other workloads differ only in their tasks' YAML."""
+    less than half on gsm8k-CoT-style (its 8 examples once), in no more decoding steps; our
+    second run of each (bench asserts the same answers) compiles nothing. The other workloads
+    differ only in their tasks' YAML."""
     # std 0.1: at the default 0.2 this 12-layer model's greedy texts turn on float rounding
     # (the same code gives other texts with its sums in another order)
     runs = bench("--shapes", "--workloads", "mmlu,gsm8k_cot", "--vocab", "2000", "--mlp-hidden", "128", "--kv-heads",
@@ -3377,6 +3425,7 @@ def test_bench_shapes_beside_lm_evals_hf_model(tmp_path):
     assert r["identical"] == r["compared"] and r["requests"] == 6 and r["scores_rel"] < 1e-4
     assert r["our_tokens_per_request"] < 0.5 * r["hf_tokens_per_request"]
     assert 0 <= r["our_steps"] - r["needed_steps"] < 8 and r["our_steps"] <= r["hf_steps"]
+    assert all(r["compiled"] and r["compiled_again"] == [] for r in runs.values())
 
 
 # ---- reliability: bad input, interruption, the same answer everywhere
@@ -3457,6 +3506,7 @@ def cli_many(*cases, devices=1, compile_cache=True, env=None):
     env = {**driver_env(devices), **(env or {})}
     if not compile_cache:
         env.pop("JAX_COMPILATION_CACHE_DIR")
+        env["GPT_EVAL_COMPILE_CACHE"] = "0"  # nor the user's, the default
     cases = [case if isinstance(case, dict) else [str(a) for a in case] for case in cases]
     proc = subprocess.run([sys.executable, "-c", DRIVER], input=json.dumps(cases), capture_output=True, text=True,
                           env=env, cwd=ROOT, timeout=120 + 25 * len(cases))
