@@ -3966,7 +3966,7 @@ def test_a_killed_run_resumes_from_its_journal_and_ends_as_an_uninterrupted_one(
     docs = write_jsonl(tmp_path / "docs.jsonl", [{"text": f"the {i} dogs see a cat. " * (1 + i % 9)} for i in range(40)])
     gen = write_jsonl(tmp_path / "qa.jsonl", [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(36)])
     args = ["--ckpt", ckpt, "--data", f"ppl:{docs}", "--data", f"gen:{gen}", "--max-new-tokens", "4",
-            "--temperature", "1.0", "--seed", "3", "--log-samples"]  # pieces: ppl 32+8, gen 32+4
+            "--temperature", "1.0", "--seed", "3", "--log-samples", "--batch-size", "4"]  # pieces: ppl 32+8, gen 32+4
     kills = {"between": 3, "torn": 2, "final": 0}
     for mode, after in kills.items():
         proc = subprocess.run([sys.executable, "-c", KILLER, mode, str(after), *map(str, args), "--out",
@@ -4017,7 +4017,8 @@ def test_a_killed_lm_eval_run_resumes_from_its_journal(ckpt, tmp_path):
         (task_dir / f"{name}.yaml").write_text(json.dumps(
             {"task": name, "dataset_path": "json", "dataset_name": None, "test_split": "test",
              "dataset_kwargs": {"data_files": {"test": str(qa)}}, "doc_to_text": "q", **fields}))
-    args = ["--ckpt", ckpt, "--tasks", "choose,sample", "--include-path", task_dir, "--log-samples"]
+    args = ["--ckpt", ckpt, "--tasks", "choose,sample", "--include-path", task_dir, "--log-samples",
+            "--batch-size", "4"]  # pieces of 32 requests: windows of 4 x 8
     killed = subprocess.run([sys.executable, "-c", KILLER, "between", "3", *map(str, args), "--out",
                              str(tmp_path / "killed")], capture_output=True, text=True, env=driver_env(), cwd=ROOT)
     assert killed.returncode == 9, killed.stderr[-2000:]
