@@ -900,11 +900,14 @@ def run_side(command: List[str], cache: Path, env: Dict[str, str] = {}) -> Tuple
 def run_ours(cfg: BenchConfig, built: Dict[str, Any], task: str, out: Path,
              compile_cache: Path) -> Tuple[float, Dict[str, Any]]:
     """This project's side: its command line's job on the task, then its samples and scores,
-    with its persistent compilation cache in `compile_cache` (empty: a first run)."""
+    with its persistent compilation cache under `compile_cache` (empty: a first run), as
+    XDG_CACHE_HOME: the default cache, with the default settings (JAX_COMPILATION_CACHE_DIR
+    would give jax's own, under which programs compiled in less than a second are not kept)."""
     args = ["--ckpt", built["model"], "--tasks", task, "--include-path", built["tasks"], "--batch-size",
             str(cfg.batch), "--dtype", cfg.dtype, "--log-samples", "--bootstrap-iters", "0", "--out", str(out)]
     seconds, work = run_side([sys.executable, "-c", OUR_SIDE, *args], out / "datasets",
-                             {"JAX_COMPILATION_CACHE_DIR": str(compile_cache), "GPT_EVAL_COMPILE_CACHE": "1"})
+                             {"XDG_CACHE_HOME": str(compile_cache), "JAX_COMPILATION_CACHE_DIR": "",
+                              "GPT_EVAL_COMPILE_CACHE": "1"})
     files = json.loads((out / "results.json").read_text())["lm_eval"]
     samples = [json.loads(line) for line in (out / files["samples"][task]).read_text().splitlines()]
     results = json.loads((out / files["results"]).read_text())["results"][task]

@@ -605,7 +605,7 @@ class Evaluator(InferenceJob):
             results.append(evaluation.result(self, self.tokenizer, journal=journal, **self.decoding()))
             if position + 1 < len(self.evaluations) or self.cfg.tasks:
                 keep_finished(self, results, fingerprint)
-        if results:
+        if results and self.spec.is_main:  # the others hold None for the evaluations process 0 kept
             self.say(table(results))
         return results
 

@@ -3724,19 +3724,28 @@ def free_port():
         return s.getsockname()[1]
 
 
-def test_two_processes_give_the_single_process_scores(ckpt, suite, tmp_path):
+def test_two_processes_resume_a_journal_and_give_the_single_process_scores(ckpt, suite, tmp_path):
+    """Two processes over 2 x 2 devices give the scores of one process over 4, resuming from
+    the journal of a one-process run of the same command killed between two pieces: process
+    0 reads it, the other gets its pieces through it, and neither computes them again."""
+    pages = write_jsonl(tmp_path / "pages.jsonl", [{"text": f"page {i} of the book. " * (1 + i % 4)}
+                                                   for i in range(40)])
+    data = suite[:suite.index("--evals")]  # the suite's files, and grammar and pages in pieces of 32 + 8 (the
+    args = ["--ckpt", str(ckpt), "--evals", "grammar", "--data", f"ppl:{pages}", *data, "--limit", "40",  # batch
+            "--max-new-tokens", "6", "--temperature", "0.7", "--batch-size", "4"]  # is 4 on 4 devices either way)
+    killed = subprocess.run([sys.executable, "-c", KILLER, "between", "3", *args, "--out", str(tmp_path / "multi")],
+                            capture_output=True, text=True, env=child_env(4), cwd=ROOT)
+    assert killed.returncode == 9, killed.stderr[-2000:]
     port = free_port()
     env = child_env(2)
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "evaluate.py"), "--ckpt", str(ckpt), *suite,
-                               "--out", str(tmp_path / "multi"), "--quiet", "--temperature", "0.7",
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "evaluate.py"), *args, "--out", str(tmp_path / "multi"),
                                "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
                                "--process-id", str(i)], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for i in range(2)]
-    for p in procs:
-        _, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err[-2000:]
-    single = cli("--ckpt", ckpt, *suite, "--out", tmp_path / "single", "--quiet", "--temperature", "0.7",
-                 devices=4)
+    errs = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errs[0][-2000:] + errs[1][-2000:]
+    assert "resuming: 3 piece(s) of grammar, pages from the journal" in errs[0], errs[0][-2000:]
+    single = cli(*args, "--out", tmp_path / "single", "--quiet", devices=4)
     assert single.returncode == 0, single.stderr[-2000:]
     multi, one = results_of(tmp_path / "multi"), results_of(tmp_path / "single")
     assert multi.keys() == one.keys()
