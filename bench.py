@@ -44,9 +44,9 @@ onto the mesh of every device in a fresh process, its time and peak host memory,
 reading its weight files once with `cat > /dev/null`.
 
 Every report begins with the date and the commit it was measured on ("+changes": the
-working tree differs from that commit). Every timing is a warm-up call (which compiles), then --reps rounds in which the
-contenders take turns, so that other processes' load falls on all of them alike; the
-tables show the best (and median) of the rounds.
+working tree differs from that commit). Every timing is a warm-up call (which compiles),
+then --reps rounds in which the contenders take turns, so that other processes' load falls
+on all of them alike; the tables show the best (and median) of the rounds.
 FLOPs are GPT.flops(seq) / 3 (forward only; attention counted over the full T x T).
 """
 from __future__ import annotations
@@ -66,7 +66,7 @@ import sysconfig
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -885,10 +885,11 @@ def build_shapes(cfg: BenchConfig, workdir: Path, say: Callable[[str], None]) ->
     return built
 
 
-def run_side(command: List[str], cache: Path, env: Dict[str, str] = {}) -> Tuple[float, Dict[str, Any]]:
+def run_side(command: List[str], cache: Path, env: Optional[Dict[str, str]] = None) -> Tuple[float, Dict[str, Any]]:
     """(whole wall seconds, the JSON it printed last) of one contender's process. Each gets
-    a fresh datasets cache, so both pay for reading the JSONL files."""
-    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(cache), **env}
+    a fresh datasets cache, so both pay for reading the JSONL files; env: more variables."""
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(cache),
+           **(env or {})}
     started = time.perf_counter()
     proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parent)
     seconds = time.perf_counter() - started

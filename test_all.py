@@ -3730,9 +3730,10 @@ def test_two_processes_resume_a_journal_and_give_the_single_process_scores(ckpt,
     0 reads it, the other gets its pieces through it, and neither computes them again."""
     pages = write_jsonl(tmp_path / "pages.jsonl", [{"text": f"page {i} of the book. " * (1 + i % 4)}
                                                    for i in range(40)])
-    data = suite[:suite.index("--evals")]  # the suite's files, and grammar and pages in pieces of 32 + 8 (the
-    args = ["--ckpt", str(ckpt), "--evals", "grammar", "--data", f"ppl:{pages}", *data, "--limit", "40",  # batch
-            "--max-new-tokens", "6", "--temperature", "0.7", "--batch-size", "4"]  # is 4 on 4 devices either way)
+    # the suite's files, and grammar and pages in pieces of 32 + 8: the batch is 4 on 4 devices either way
+    data = suite[:suite.index("--evals")]
+    args = ["--ckpt", str(ckpt), "--evals", "grammar", "--data", f"ppl:{pages}", *data, "--limit", "40",
+            "--max-new-tokens", "6", "--temperature", "0.7", "--batch-size", "4"]
     killed = subprocess.run([sys.executable, "-c", KILLER, "between", "3", *args, "--out", str(tmp_path / "multi")],
                             capture_output=True, text=True, env=child_env(4), cwd=ROOT)
     assert killed.returncode == 9, killed.stderr[-2000:]
