@@ -41,7 +41,7 @@ the same command again, which loads its programs from the cache; the table count
 programs each run compiled.
 With --load DIR, only bench_load runs: the checkpoint DIR (HuggingFace or native) loaded
 onto the mesh of every device in a fresh process, its time and peak host memory, beside
-reading its weight files once with `cat > /dev/null`.
+reading its weight files once with `cat > /dev/null`; then evaluate.py's peak memory on it.
 
 Every report begins with the date and the commit it was measured on ("+changes": the
 working tree differs from that commit). Every timing is a warm-up call (which compiles),
@@ -1047,6 +1047,19 @@ print(json.dumps({"seconds": seconds, "cpu_seconds": cpu_seconds, "rss_before": 
 """
 
 
+# `python evaluate.py --ckpt DIR --dtype D --data ppl:FILE` in this process, then its peak
+# memory: loading and a forward pass, as a user runs it
+EVALUATE_SIDE = """
+import json, sys
+import evaluate
+
+status = evaluate.main(sys.argv[1:])
+with open("/proc/self/status") as f:
+    peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+print(json.dumps({"status": status, "peak_rss": peak}))
+"""
+
+
 def weight_files(path: str) -> List[Path]:
     files = sorted(p for p in Path(path).iterdir() if p.name.endswith(".safetensors"))
     if not files:
@@ -1092,7 +1105,28 @@ def bench_load(cfg: BenchConfig, say: Callable[[str], None]) -> Dict[str, Any]:
         if proc.returncode:
             raise UsageError(f"--load {cfg.load}: loading failed: {proc.stderr.strip().splitlines()[-1]}")
         out["loads"].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    out["evaluate"] = evaluate_peak(cfg)
     return out
+
+
+def evaluate_peak(cfg: BenchConfig) -> Dict[str, Any]:
+    """Peak memory and wall seconds of evaluate.py on a four-line perplexity file (loading
+    the checkpoint, compiling, one forward pass), in a fresh process."""
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "four.jsonl"
+        data.write_text("".join(json.dumps({"text": t}) + "\n" for t in
+                                ("the cat sees the dog.", "a small red bird.", "the old king likes the farmer.",
+                                 "two birds sing.")))
+        argv = ["--ckpt", cfg.load, "--dtype", cfg.dtype, "--data", f"ppl:{data}", "--out", f"{tmp}/out", "--quiet",
+                "--no-compile-cache"]
+        start = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-c", EVALUATE_SIDE, *argv], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parent)
+        seconds = time.perf_counter() - start
+    result = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() else {"status": proc.returncode}
+    if result["status"]:
+        raise UsageError(f"--load {cfg.load}: evaluate.py failed: {(proc.stderr.strip() or '?').splitlines()[-1]}")
+    return {"seconds": seconds, "peak_rss": result["peak_rss"]}
 
 
 def load_table(cfg: BenchConfig, r: Dict[str, Any]) -> str:
@@ -1111,7 +1145,9 @@ def load_table(cfg: BenchConfig, r: Dict[str, Any]) -> str:
              f"  bytes read {best['read'] / gib:.2f} GiB, placed {best['placed'] / gib:.2f} GiB",
              f"  peak RSS {peak / gib:.2f} GiB: {best['rss_before'] / gib:.2f} before loading (jax, transformers), "
              f"so {(peak - best['rss_before']) / gib:.2f} GiB for the load, against placed + largest tensor "
-             f"{(best['placed'] + b['largest']) / gib:.2f} GiB"]
+             f"{(best['placed'] + b['largest']) / gib:.2f} GiB",
+             f"  evaluate.py on four lines of text: peak RSS {b['evaluate']['peak_rss'] / gib:.2f} GiB, "
+             f"{b['evaluate']['seconds']:.1f} s (loading, compiling, one forward pass)"]
     return "\n".join(lines)
 
 

@@ -1315,7 +1315,7 @@ def place_params(model: Module, mesh: Mesh, host_params: Any) -> Any:
 
         def block(index: Tuple[slice, ...]) -> np.ndarray:
             key = tuple(s.indices(n)[:2] for s, n in zip(index, array.shape))
-            if key not in blocks:  # (jax copies it onto the device: the caller's array is never aliased)
+            if key not in blocks:  # (a CPU device may take an aligned block as it is, as device_put does)
                 blocks[key] = np.asarray(array[index], dtype)
             return blocks[key]
 

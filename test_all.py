@@ -2088,6 +2088,47 @@ def assert_same_placed(placed, expected):
     jax.tree.map(same, placed, expected)
 
 
+@st.composite
+def stored_blocks(draw):
+    """A stored tensor (up to 4 axes, some of length 0 or 1, in each float dtype a file may
+    hold) and a block of it: each axis cut anywhere, or whole."""
+    shape = tuple(draw(st.lists(st.integers(0, 5), min_size=1, max_size=4)))
+    index = []
+    for n in shape:
+        start = draw(st.integers(0, n))
+        index.append(slice(start, draw(st.integers(start, n))))
+    return shape, tuple(index), draw(st.sampled_from(jobs.FLOAT_DTYPES))
+
+
+@fuzz_settings(60)
+@hypothesis.given(stored=stored_blocks(), dtype=st.sampled_from(["float32", "bfloat16"]), seed=st.integers(0, 2**16))
+def test_a_block_read_from_a_file_is_the_tensors_slice(tmp_path_factory, stored, dtype, seed):
+    """TensorFiles reads a block a contiguous run at a time into an aligned array (which jax
+    places without a copy): equal to numpy's slice of the stored tensor in the model's dtype,
+    and only the block's bytes read."""
+    shape, index, stored_dtype = stored
+    tensor = np.random.default_rng(seed).standard_normal(shape).astype(stored_dtype)
+    path = tmp_path_factory.mktemp("block")
+    save_file({"pad": np.ones(3, np.float16), "w": tensor}, str(path / "model.safetensors"))  # w at an odd offset
+    before = jobs.TensorFiles.bytes_read
+    block = jobs.TensorFiles(str(path), dtype).get("w", shape)[index]
+    np.testing.assert_array_equal(block, tensor[index].astype(dtype))
+    assert block.dtype == np.dtype(dtype) and block.flags.c_contiguous
+    assert block.ctypes.data % jobs.ALIGNMENT == 0 or not block.size
+    assert jobs.TensorFiles.bytes_read - before == tensor[index].nbytes
+
+
+@fuzz_settings(100)
+@hypothesis.given(dtype=st.sampled_from(jobs.FLOAT_DTYPES), data=st.data())
+def test_the_nan_check_reads_every_bit_pattern_as_isfinite_does(dtype, data):
+    """jobs.all_finite (two integer maxima over the bits, no copy) against numpy's isfinite:
+    any bit patterns, so every NaN, both infinities, -0 and the largest finite values."""
+    bits = 8 * np.dtype(dtype).itemsize
+    words = data.draw(st.lists(st.integers(0, 2**bits - 1), max_size=6))
+    array = np.array(words, f"uint{bits}").view(dtype)
+    assert jobs.all_finite(array) == bool(np.isfinite(array.astype(np.float64)).all())
+
+
 @needs_torch
 def test_parameters_made_on_the_mesh_from_the_files_are_the_host_trees_placed(hf_models):
     """load_backbone on a mesh reads each device's block from the files, through every
@@ -2146,6 +2187,23 @@ def test_two_processes_each_read_only_their_devices_blocks(hf_models):
         read, replicated, split = map(int, out.split())
         print(f"one process read {read:,} bytes: {replicated:,} replicated + half of {split:,} split")
         assert split > 2 * replicated and read == replicated + split // 2
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA's CPU scheduler")
+def test_a_bfloat16_forward_converts_each_weight_where_it_is_used():
+    """XLA's CPU matmuls take float32. Under the scheduler jobs.py selects, a bfloat16
+    forward pass converts each block's weights when the block runs, so its temporaries are
+    far below a float32 copy of the model (the default scheduler converts them all first)."""
+    model = gpt.GPT(n_layers=8, n_embd=256, n_head=4, block_size=64, vocab_size=320,
+                    param_dtype="bfloat16", activation_dtype="bfloat16")
+    tokens = jax.ShapeDtypeStruct((2, 64), jnp.int32)
+    variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((2, 64), jnp.int32)))
+    forward = jax.jit(lambda v, x: model.apply(v, x, deterministic=True)[0])
+    temporaries = forward.lower(variables, tokens).compile().memory_analysis().temp_size_in_bytes
+    float32_copy = 4 * sum(x.size for x in jax.tree.leaves(variables))
+    print(f"temporaries {temporaries / 2**20:.1f} MiB, a float32 copy of the model {float32_copy / 2**20:.1f} MiB")
+    assert "--xla_cpu_enable_concurrency_optimized_scheduler=false" in os.environ["XLA_FLAGS"]
+    assert temporaries < float32_copy / 4
 
 
 @needs_torch
@@ -3350,12 +3408,14 @@ def test_bench_limits_mode():
 
 def test_bench_load_mode(ckpt):
     """--load: a checkpoint loaded onto the mesh in a fresh process, beside `cat`: every
-    parameter byte read once and placed, the peak memory above what the process held before."""
+    parameter byte read once and placed, the peak memory above what the process held before;
+    then evaluate.py's own peak on the checkpoint."""
     x = bench("--load", ckpt)["loading"]
     [load], [(cat_seconds, _)] = x["loads"], x["cat"]
     params = gpt.count_params(gpt.abstract_params(gpt.GPT(**SMALL)))
     assert load["read"] == load["placed"] == 4 * params < x["file_bytes"]  # float32; the file adds its header
     assert load["peak_rss"] > load["rss_before"] and load["seconds"] > 0 and cat_seconds > 0
+    assert x["evaluate"]["peak_rss"] > load["rss_before"] and x["evaluate"]["seconds"] > 0
 
 
 COUNT_COMPILES = r"""
