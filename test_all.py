@@ -3929,6 +3929,15 @@ def test_a_finished_run_is_known_by_what_it_computed(ckpt, tmp_path):
     assert json.loads((out / "results.json").read_text())["n_samples"]["docs"] == 1
 
 
+PROGRESS_LINE = re.compile(r"[\w.-]+: \d+/\d+ \w+, [\d,]+ tokens/s, \d+ s")
+
+
+def messages(stderr):
+    """stderr's lines but the progress lines a slow or busy machine prints (a block that
+    took over PROGRESS_SECONDS)."""
+    return [line for line in stderr.strip().splitlines() if not PROGRESS_LINE.fullmatch(line)]
+
+
 def kept_so_far(out):
     try:
         return list(json.loads((out / ".resume.json").read_text())["results"])
@@ -3953,7 +3962,7 @@ def test_an_interrupted_run_resumes_and_ends_as_an_uninterrupted_one(ckpt, tmp_p
         time.sleep(0.02)
     proc.terminate()  # SIGTERM, as kill and schedulers send it
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 143 and err.strip().splitlines() == ["terminated: nothing partial was written"], err
+    assert proc.returncode == 143 and messages(err) == ["terminated: nothing partial was written"], err
     assert kept_so_far(out) == ["choices", "qa"] and not (out / "results.json").exists()
     again, whole = cli_many(args + ["--out", out], args + ["--out", tmp_path / "whole"])
     assert again.returncode == 0 and "resuming: choices, qa kept" in again.stderr, again.stderr[-2000:]
@@ -4606,7 +4615,7 @@ def test_signals_between_paired_writes_and_a_second_run_into_the_same_out(ckpt, 
     flag.touch()
     for proc in (at_mkstemp, between):
         _, err = proc.communicate(timeout=120)
-        assert proc.returncode == 143 and err.strip().splitlines() == ["terminated: nothing partial was written"], err
+        assert proc.returncode == 143 and messages(err) == ["terminated: nothing partial was written"], err
     assert holder.startswith(f"pid {between.pid} on ")
     assert_usage_error(second, f"another run is writing to {cut} (pid {between.pid} on", "choose another --out")
     made_files = files_of(made)
