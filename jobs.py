@@ -832,24 +832,17 @@ def read_block_into(f: BinaryIO, offset: int, shape: Tuple[int, ...], index: Tup
                     out: np.ndarray) -> None:
     """Read the block `index` of a C-ordered array of `shape` stored at byte `offset` into
     `out`, a contiguous run at a time: the axes after the last one the block cuts are whole,
-    so each run is one seek and one read straight into `out`. A column block of a matrix
-    reads a run per row, only its own bytes."""
+    so a run spans them, and each run is one seek and one read straight into `out`. A column
+    block of a matrix reads a run per row, only its own bytes; a whole tensor is one run."""
     if not out.size:
         return
     strides = [out.itemsize * math.prod(shape[axis + 1:]) for axis in range(len(shape))]
-    cut = max((axis + 1 for axis, (s, n) in enumerate(zip(index, shape)) if (s.start, s.stop) != (0, n)), default=0)
-    if cut == 0:
-        runs: Iterator[int] = iter([offset])
-        run = out.nbytes
-    else:
-        last = index[cut - 1]
-        run = (last.stop - last.start) * strides[cut - 1]
-        outer = itertools.product(*(range(s.start, s.stop) for s in index[:cut - 1]))
-        runs = (offset + last.start * strides[cut - 1] + sum(i * stride for i, stride in zip(position, strides))
-                for position in outer)
+    cut = max((axis for axis, (s, n) in enumerate(zip(index, shape)) if (s.start, s.stop) != (0, n)), default=0)
+    run = (index[cut].stop - index[cut].start) * strides[cut]
+    outer = itertools.product(*(range(s.start, s.stop) for s in index[:cut]))
     buffer = memoryview(out.reshape(-1).view(np.uint8))
-    for n, at in enumerate(runs):
-        f.seek(at)
+    for n, position in enumerate(outer):
+        f.seek(offset + index[cut].start * strides[cut] + sum(i * stride for i, stride in zip(position, strides)))
         done = n * run
         while done < (n + 1) * run:
             got = f.readinto(buffer[done:(n + 1) * run])
