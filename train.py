@@ -87,6 +87,17 @@ def training_text(seed: int) -> Iterator[str]:
         yield item if isinstance(item, str) else item[0] + item[1]  # pairs: prompt + answer
 
 
+def packed_batches(tokenizer: ByteTokenizer, seed: int, rows: int, seq_len: int) -> Iterator[np.ndarray]:
+    """[rows, seq_len + 1] windows of the packed byte stream of training_text, EOS between lines."""
+    lines, need = training_text(seed), rows * (seq_len + 1)
+    buffer: List[int] = []
+    while True:
+        while len(buffer) < need:
+            buffer += tokenizer.encode(next(lines)) + [tokenizer.eos_token_id]
+        chunk, buffer = buffer[:need], buffer[need:]
+        yield np.array(chunk, np.int32).reshape(rows, seq_len + 1)
+
+
 # ----------------------------------------------------------------------------- trainer
 
 
@@ -122,15 +133,7 @@ class BaseTrainer:
                            optax.adamw(schedule, b2=0.95, weight_decay=c.weight_decay, mask=decay))
 
     def batches(self) -> Iterator[np.ndarray]:
-        """[batch, seq_len + 1] windows of the packed byte stream, EOS between lines."""
-        c, lines = self.cfg, training_text(self.spec.seed)
-        need = c.batch_size * (c.seq_len + 1)
-        buffer: List[int] = []
-        while True:
-            while len(buffer) < need:
-                buffer += self.tokenizer.encode(next(lines)) + [self.tokenizer.eos_token_id]
-            chunk, buffer = buffer[:need], buffer[need:]
-            yield np.array(chunk, np.int32).reshape(c.batch_size, c.seq_len + 1)
+        return packed_batches(self.tokenizer, self.spec.seed, self.cfg.batch_size, self.cfg.seq_len)
 
     def train_step(self, tx: optax.GradientTransformation) -> Callable:
         """One AdamW step; gradients accumulate over micro-batches with lax.scan."""
@@ -254,7 +257,8 @@ class BaseTrainer:
 # than their prompt's mean, lowering the others'. No KL term and no clipped ratio: every
 # step's answers come from the current weights. Options for a checkpoint that has not learned
 # a digit yet (exact answers too rare to teach): --reward digits scores each answer token on
-# its own, and --positive drops the pushes down.
+# its own, --positive drops the pushes down, and --ptx keeps the pretraining loss in the step
+# so that the other tasks stay where they were.
 
 
 @dataclasses.dataclass
@@ -271,6 +275,8 @@ class RLConfig:
                          "token its own correctness (its end and beyond: the exact match)")
     normalize: bool = option(False, "divide each advantage by its prompt's reward std (as GRPO)")
     positive: bool = option(False, "keep only the advantages above 0: learn from the better answers alone")
+    ptx: float = option(0.0, "weight of the pretraining loss on a batch of the training mix, added to the "
+                        "RL loss (InstructGPT's ptx): keeps the other tasks where they were")
     lr: float = option(1e-4, "learning rate (AdamW), constant after --warmup steps")
     warmup: int = option(5, "steps of linear warmup")
     weight_decay: float = option(0.0, "AdamW weight decay on matrices")
@@ -345,6 +351,7 @@ class ReinforceTrainer(BaseTrainer):
 
     CONFIG = RLConfig
     TASK, MAX_NEW_TOKENS = "addition", 8  # as the built-in evaluation decodes it
+    PTX_ROWS, PTX_LEN = 16, 128  # the --ptx batch: sequences of the pretraining mix, as the pretrainer's
 
     def __init__(self, spec: ExecutionSpec, base: Optional[Node] = None):
         self.spec, self.cfg = spec, spec.cfg or RLConfig()
@@ -354,9 +361,9 @@ class ReinforceTrainer(BaseTrainer):
         self.model, self.variables, config = load_checkpoint(self.base.path, self.mesh)
         self.tokenizer = load_tokenizer(config, self.base.path)
         self.step, rows = 0, self.cfg.prompts * self.cfg.samples
-        if rows % self.mesh.shape["batch"]:
-            raise UsageError(f"--prompts x --samples ({rows}) must be a multiple of the mesh's batch size "
-                             f"{self.mesh.shape['batch']}")
+        if rows % self.mesh.shape["batch"] or self.cfg.ptx and self.PTX_ROWS % self.mesh.shape["batch"]:
+            raise UsageError(f"--prompts x --samples ({rows}) and, with --ptx, {self.PTX_ROWS} must be multiples "
+                             f"of the mesh's batch size {self.mesh.shape['batch']}")
 
     def optimizer(self) -> optax.GradientTransformation:
         c = self.cfg
@@ -392,14 +399,18 @@ class ReinforceTrainer(BaseTrainer):
         return np.pad(advantages_BM, ((0, 0), (tokens_BL.shape[1] - m, 0)))
 
     def reinforce_step(self, tx: optax.GradientTransformation) -> Callable:
-        """One AdamW step on reinforce_loss over a batch of rollout rows."""
-        model, temperature = self.model, self.cfg.temperature
+        """One AdamW step on reinforce_loss over a batch of rollout rows, plus --ptx x the language-model
+        loss of a batch of pretraining text where one is given."""
+        model, temperature, ptx = self.model, self.cfg.temperature, self.cfg.ptx
 
-        def loss_fn(params, tokens_BL, mask_BL, generated_BL, advantages_BL):
+        def loss_fn(params, tokens_BL, mask_BL, generated_BL, advantages_BL, *text_BS):
             logits_BTV, _ = model.apply({"params": params}, tokens_BL[:, :-1], padding_mask=mask_BL[:, :-1],
                                         deterministic=True)
-            return reinforce_loss(logits_BTV, tokens_BL[:, 1:], generated_BL[:, 1:], advantages_BL[:, 1:],
+            loss = reinforce_loss(logits_BTV, tokens_BL[:, 1:], generated_BL[:, 1:], advantages_BL[:, 1:],
                                   temperature)
+            for text in text_BS:
+                loss += ptx * model.apply({"params": params}, text[:, :-1], text[:, 1:], deterministic=True)[1]
+            return loss
 
         def step(state, *batch):
             params, opt_state = state
@@ -420,11 +431,12 @@ class ReinforceTrainer(BaseTrainer):
                                          EvaluatorConfig(quiet=True, batch_size=c.prompts * c.samples))
         bar = tqdm(total=c.steps, desc="rl", disable=c.quiet or not sys.stderr.isatty())
         samples, started, last_line = self.prompt_groups(), time.time(), 0.0
+        texts = packed_batches(self.tokenizer, self.spec.seed, self.PTX_ROWS, self.PTX_LEN)
         for self.step in range(1, c.steps + 1):
             group = list(itertools.islice(samples, c.prompts * c.samples))
             rewards, *rows = self.rollouts(evaluator, group)
-            advantage = self.advantages(group, rewards, rows[0])
-            state, loss = step(state, *(evaluator.put(a, 0) for a in (*rows, advantage)))  # each process its rows
+            batch = (*rows, self.advantages(group, rewards, rows[0]), *([next(texts)] if c.ptx else []))
+            state, loss = step(state, *(evaluator.put(a, 0) for a in batch))  # each process its rows
             self.variables = {"params": state[0]}
             rate = c.prompts * c.samples * self.step / (time.time() - started)
             bar.set_postfix(reward=f"{rewards.mean():.3f}", samples_s=f"{rate:,.0f}")
