@@ -1581,7 +1581,8 @@ def test_registry_and_jobs_cli(capsys):
                          (["gpt/train/pretrain", "--steps", "three"], "must be int"),
                          (["gpt/train/pretrain", "--steps", "0"], "--steps"), (["gpt/train/rl"], "--init CKPT is needed"),
                          (["gpt/train/rl", "--init", "/nonexistent"], "does not exist"),
-                         (["gpt/train/rl", "--init", "x", "--temperature", "0"], "--temperature")]:
+                         (["gpt/train/rl", "--init", "x", "--temperature", "0"], "--temperature"),
+                         (["gpt/train/rl", "--init", "x", "--reward", "bits"], "--reward must be exact or digits")]:
         assert jobs.main(args) == 2  # what `python jobs.py ARGS` exits with
         assert needle in capsys.readouterr().err
 
@@ -1722,11 +1723,11 @@ def chosen_probability(model, variables):
                     for p, c in CHOSEN.items()])
 
 
-@pytest.mark.parametrize("mesh", [(1, 1), (4, 2)])
-def test_rl_steps_raise_a_toy_reward(small, tiny_ckpt, tmp_path, mesh, monkeypatch):
+@pytest.mark.parametrize("mesh, ptx", [((1, 1), 0.0), ((4, 2), 0.1)])  # on 4x2, the pretraining loss beside
+def test_rl_steps_raise_a_toy_reward(small, tiny_ckpt, tmp_path, mesh, ptx, monkeypatch):
     monkeypatch.setattr(jobs.ExecutionSpec, "make_mesh", lambda spec: mesh_of(*mesh))  # 1x1 of the 8 devices
     config = train.RLConfig(init=str(tiny_ckpt), out=str(tmp_path / "rl"), steps=6, prompts=len(CHOSEN), samples=8,
-                            lr=3e-3, warmup=0, quiet=True)
+                            lr=3e-3, warmup=0, ptx=ptx, quiet=True)
     trainer = ChosenToken(jobs.ExecutionSpec(name="gpt/train/rl", out_dir=config.out, cfg=config))
     trainer.run()
     log = [json.loads(line) for line in (tmp_path / "rl" / "train_log.jsonl").read_text().splitlines()]

@@ -431,7 +431,8 @@ class ReinforceTrainer(BaseTrainer):
                                          EvaluatorConfig(quiet=True, batch_size=c.prompts * c.samples))
         bar = tqdm(total=c.steps, desc="rl", disable=c.quiet or not sys.stderr.isatty())
         samples, started, last_line = self.prompt_groups(), time.time(), 0.0
-        texts = packed_batches(self.tokenizer, self.spec.seed, self.PTX_ROWS, self.PTX_LEN)
+        texts = packed_batches(self.tokenizer, self.spec.seed, self.PTX_ROWS,
+                               min(self.PTX_LEN, self.model.block_size))  # a checkpoint of a shorter context
         for self.step in range(1, c.steps + 1):
             group = list(itertools.islice(samples, c.prompts * c.samples))
             rewards, *rows = self.rollouts(evaluator, group)
