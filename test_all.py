@@ -1727,7 +1727,7 @@ def chosen_probability(model, variables):
 def test_rl_steps_raise_a_toy_reward(small, tiny_ckpt, tmp_path, mesh, ptx, monkeypatch):
     monkeypatch.setattr(jobs.ExecutionSpec, "make_mesh", lambda spec: mesh_of(*mesh))  # 1x1 of the 8 devices
     config = train.RLConfig(init=str(tiny_ckpt), out=str(tmp_path / "rl"), steps=6, prompts=len(CHOSEN), samples=8,
-                            lr=1e-3, warmup=0, ptx=ptx, quiet=True)
+                            lr=3e-3, warmup=0, ptx=ptx, quiet=True)
     trainer = ChosenToken(jobs.ExecutionSpec(name="gpt/train/rl", out_dir=config.out, cfg=config))
     trainer.run()
     log = [json.loads(line) for line in (tmp_path / "rl" / "train_log.jsonl").read_text().splitlines()]

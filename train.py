@@ -252,14 +252,13 @@ class BaseTrainer:
 # ----------------------------------------------------------------------------- reinforcement learning
 # REINFORCE on the evaluation's own rollouts, as nanochat's chat_rl.py does: each step samples
 # k answers to each of a few training prompts of addition through Evaluator.evaluate (the
-# decoder the evaluation runs), rewards each answer token (by default each digit on its own
-# and the answer's end with the evaluation's own score, exact match; --reward exact: that
-# score for every token), and raises the log-probability of the tokens that did better than
-# their prompt's mean at the same place. By default the worse ones are not lowered
-# (--positive) and the pretraining loss stays in the step (--ptx), so that a learning rate that
-# moves addition leaves the other tasks where they were: a checkpoint that guesses a digit at
-# chance guesses it right once in ten samples, too rarely for exact match alone to teach it.
-# No KL term and no clipped ratio: every step's answers come from the current weights.
+# decoder the evaluation runs), rewards each with the evaluation's own score (exact match, 1 or
+# 0), and raises the log-probability of the generated tokens of the answers that did better
+# than their prompt's mean, lowering the others'. No KL term and no clipped ratio: every
+# step's answers come from the current weights. Options for a checkpoint that has not learned
+# a digit yet (exact answers too rare to teach): --reward digits scores each answer token on
+# its own, --positive drops the pushes down, and --ptx keeps the pretraining loss in the step
+# so that the other tasks stay where they were.
 
 
 @dataclasses.dataclass
@@ -268,18 +267,17 @@ class RLConfig:
 
     init: str = option("", "native checkpoint to start from (python train.py writes runs/train)")
     out: str = option("runs/rl", "checkpoint directory, then what evaluate.py --ckpt takes")
-    steps: int = option(800, "optimizer steps, one batch of rollouts each")
+    steps: int = option(100, "optimizer steps, one batch of rollouts each")
     prompts: int = option(16, "training prompts of addition per step")
     samples: int = option(8, "answers sampled per prompt (the group whose mean is the baseline)")
     temperature: float = option(1.0, "sampling temperature of the rollouts (the policy trained)")
-    reward: str = option("digits", "digits: each answer token its own correctness (its end and beyond: the "
-                         "exact match); exact: each answer's exact match, for all its tokens")
+    reward: str = option("exact", "exact: each answer's exact match, for all its tokens; digits: each answer "
+                         "token its own correctness (its end and beyond: the exact match)")
     normalize: bool = option(False, "divide each advantage by its prompt's reward std (as GRPO)")
-    positive: bool = option(True, "keep only the advantages above 0: learn from the better answers alone "
-                            "(--positive=false: full REINFORCE)")
-    ptx: float = option(0.1, "weight of the pretraining loss on a batch of the training mix, added to the "
+    positive: bool = option(False, "keep only the advantages above 0: learn from the better answers alone")
+    ptx: float = option(0.0, "weight of the pretraining loss on a batch of the training mix, added to the "
                         "RL loss (InstructGPT's ptx): keeps the other tasks where they were")
-    lr: float = option(1e-3, "learning rate (AdamW), constant after --warmup steps")
+    lr: float = option(1e-4, "learning rate (AdamW), constant after --warmup steps")
     warmup: int = option(5, "steps of linear warmup")
     weight_decay: float = option(0.0, "AdamW weight decay on matrices")
     eval_every: int = option(0, "evaluate every N steps (0: only at the end)")
