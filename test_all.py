@@ -1581,7 +1581,8 @@ def test_registry_and_jobs_cli(capsys):
                          (["gpt/train/pretrain", "--steps", "three"], "must be int"),
                          (["gpt/train/pretrain", "--steps", "0"], "--steps"), (["gpt/train/rl"], "--init CKPT is needed"),
                          (["gpt/train/rl", "--init", "/nonexistent"], "does not exist"),
-                         (["gpt/train/rl", "--init", "x", "--temperature", "0"], "--temperature")]:
+                         (["gpt/train/rl", "--init", "x", "--temperature", "0"], "--temperature"),
+                         (["gpt/train/rl", "--init", "x", "--reward", "bits"], "--reward must be exact or digits")]:
         assert jobs.main(args) == 2  # what `python jobs.py ARGS` exits with
         assert needle in capsys.readouterr().err
 
@@ -1722,11 +1723,11 @@ def chosen_probability(model, variables):
                     for p, c in CHOSEN.items()])
 
 
-@pytest.mark.parametrize("mesh", [(1, 1), (4, 2)])
-def test_rl_steps_raise_a_toy_reward(small, tiny_ckpt, tmp_path, mesh, monkeypatch):
+@pytest.mark.parametrize("mesh, ptx", [((1, 1), 0.0), ((4, 2), 0.1)])  # on 4x2, the pretraining loss beside
+def test_rl_steps_raise_a_toy_reward(small, tiny_ckpt, tmp_path, mesh, ptx, monkeypatch):
     monkeypatch.setattr(jobs.ExecutionSpec, "make_mesh", lambda spec: mesh_of(*mesh))  # 1x1 of the 8 devices
     config = train.RLConfig(init=str(tiny_ckpt), out=str(tmp_path / "rl"), steps=6, prompts=len(CHOSEN), samples=8,
-                            lr=3e-3, warmup=0, quiet=True)
+                            lr=3e-3, warmup=0, ptx=ptx, quiet=True)
     trainer = ChosenToken(jobs.ExecutionSpec(name="gpt/train/rl", out_dir=config.out, cfg=config))
     trainer.run()
     log = [json.loads(line) for line in (tmp_path / "rl" / "train_log.jsonl").read_text().splitlines()]
@@ -1767,13 +1768,29 @@ def test_rl_gradient_is_zero_at_prompt_and_padding_positions(small):
     _, rows, _ = sampled_rollouts(small)
     tokens_BL, mask_BL = np.stack([t for t, _ in rows]), np.stack([m for _, m in rows])
     generated_BL = train.generated_positions(mask_BL, 6)
-    advantages_B = np.linspace(-1, 1, len(rows), dtype=np.float32) + 0.05  # none is 0
+    advantages_BT = np.linspace(-1, 1, tokens_BL[:, 1:].size, dtype=np.float32).reshape(len(rows), -1) + 1e-3
     logits = logits_of(model, host, tokens_BL[:, :-1], mask_BL[:, :-1])
     grad = jax.grad(train.reinforce_loss)(jnp.asarray(logits), tokens_BL[:, 1:], generated_BL[:, 1:],
-                                          advantages_B, 1.0)
+                                          advantages_BT, 1.0)  # none is 0
     touched_BT = np.abs(np.asarray(grad)).max(-1) > 0
     assert generated_BL[:, 1:].any() and (~generated_BL[:, 1:]).any()
     np.testing.assert_array_equal(touched_BT, generated_BL[:, 1:])
+
+
+def test_rl_digit_rewards_and_their_per_slot_advantages():
+    """--reward digits: each answer token its own correctness, past the answer the exact
+    match; each slot's baseline is its prompt's mean at that slot; --positive keeps the
+    advantages above 0."""
+    new_BM = np.array([[48, 51, 49, 256], [48, 51, 50, 256], [49, 51, 50, 10]])  # "031", "032", "132"+"\n"
+    exact_B = np.array([0.0, 1.0, 0.0])
+    dense_BM = train.token_rewards(new_BM, [[48, 51, 50]] * 3, exact_B, dense=True)
+    np.testing.assert_array_equal(dense_BM, [[1, 1, 0, 0], [1, 1, 1, 1], [0, 1, 1, 0]])
+    np.testing.assert_array_equal(train.token_rewards(new_BM, [[48, 51, 50]] * 3, exact_B, dense=False),
+                                  np.repeat(exact_B[:, None], 4, 1))
+    advantages = train.advantages(dense_BM[None], normalize=False)  # one prompt, three samples
+    np.testing.assert_allclose(advantages, dense_BM - dense_BM.mean(0), atol=1e-6)
+    assert not advantages[:, 1].any()  # all three got the middle digit right: nothing to learn there
+    np.testing.assert_allclose(train.advantages(dense_BM[None], False, positive=True), np.maximum(advantages, 0))
 
 
 def test_gen_stop_strings_per_line_and_from_the_command_line(small, tmp_path):

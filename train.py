@@ -87,6 +87,17 @@ def training_text(seed: int) -> Iterator[str]:
         yield item if isinstance(item, str) else item[0] + item[1]  # pairs: prompt + answer
 
 
+def packed_batches(tokenizer: ByteTokenizer, seed: int, rows: int, seq_len: int) -> Iterator[np.ndarray]:
+    """[rows, seq_len + 1] windows of the packed byte stream of training_text, EOS between lines."""
+    lines, need = training_text(seed), rows * (seq_len + 1)
+    buffer: List[int] = []
+    while True:
+        while len(buffer) < need:
+            buffer += tokenizer.encode(next(lines)) + [tokenizer.eos_token_id]
+        chunk, buffer = buffer[:need], buffer[need:]
+        yield np.array(chunk, np.int32).reshape(rows, seq_len + 1)
+
+
 # ----------------------------------------------------------------------------- trainer
 
 
@@ -122,15 +133,7 @@ class BaseTrainer:
                            optax.adamw(schedule, b2=0.95, weight_decay=c.weight_decay, mask=decay))
 
     def batches(self) -> Iterator[np.ndarray]:
-        """[batch, seq_len + 1] windows of the packed byte stream, EOS between lines."""
-        c, lines = self.cfg, training_text(self.spec.seed)
-        need = c.batch_size * (c.seq_len + 1)
-        buffer: List[int] = []
-        while True:
-            while len(buffer) < need:
-                buffer += self.tokenizer.encode(next(lines)) + [self.tokenizer.eos_token_id]
-            chunk, buffer = buffer[:need], buffer[need:]
-            yield np.array(chunk, np.int32).reshape(c.batch_size, c.seq_len + 1)
+        return packed_batches(self.tokenizer, self.spec.seed, self.cfg.batch_size, self.cfg.seq_len)
 
     def train_step(self, tx: optax.GradientTransformation) -> Callable:
         """One AdamW step; gradients accumulate over micro-batches with lax.scan."""
@@ -252,7 +255,10 @@ class BaseTrainer:
 # decoder the evaluation runs), rewards each with the evaluation's own score (exact match, 1 or
 # 0), and raises the log-probability of the generated tokens of the answers that did better
 # than their prompt's mean, lowering the others'. No KL term and no clipped ratio: every
-# step's answers come from the current weights.
+# step's answers come from the current weights. Options for a checkpoint that has not learned
+# a digit yet (exact answers too rare to teach): --reward digits scores each answer token on
+# its own, --positive drops the pushes down, and --ptx keeps the pretraining loss in the step
+# so that the other tasks stay where they were.
 
 
 @dataclasses.dataclass
@@ -265,7 +271,12 @@ class RLConfig:
     prompts: int = option(16, "training prompts of addition per step")
     samples: int = option(8, "answers sampled per prompt (the group whose mean is the baseline)")
     temperature: float = option(1.0, "sampling temperature of the rollouts (the policy trained)")
+    reward: str = option("exact", "exact: each answer's exact match, for all its tokens; digits: each answer "
+                         "token its own correctness (its end and beyond: the exact match)")
     normalize: bool = option(False, "divide each advantage by its prompt's reward std (as GRPO)")
+    positive: bool = option(False, "keep only the advantages above 0: learn from the better answers alone")
+    ptx: float = option(0.0, "weight of the pretraining loss on a batch of the training mix, added to the "
+                        "RL loss (InstructGPT's ptx): keeps the other tasks where they were")
     lr: float = option(1e-4, "learning rate (AdamW), constant after --warmup steps")
     warmup: int = option(5, "steps of linear warmup")
     weight_decay: float = option(0.0, "AdamW weight decay on matrices")
@@ -285,6 +296,8 @@ class RLConfig:
         for name in ("steps", "prompts", "samples", "ckpt_every"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.reward not in ("exact", "digits"):
+            raise UsageError(f"--reward must be exact or digits, got {self.reward!r}")
         if not MIN_TEMPERATURE <= self.temperature < math.inf:
             raise UsageError(f"--temperature must be in [{MIN_TEMPERATURE:g}, inf): the rollouts are sampled")
         if not 0 <= self.seed <= jobs.MAX_SEED:
@@ -292,22 +305,38 @@ class RLConfig:
         check_processes(self)
 
 
-def advantages(rewards_NK: np.ndarray, normalize: bool) -> np.ndarray:
-    """Each reward minus the mean of its prompt's k samples (and divided by their std), [N * K].
-    A prompt whose answers all scored alike teaches nothing: its advantages are 0."""
-    centred_NK = rewards_NK - rewards_NK.mean(1, keepdims=True)
+def token_rewards(new_BM: np.ndarray, targets: List[List[int]], exact_B: np.ndarray, dense: bool) -> np.ndarray:
+    """[B, M]: the reward of each of the M generated slots. Dense: 1 where the slot's token is the
+    answer's token at that place, and past the answer (its end and beyond) the exact match; else
+    the exact match everywhere."""
+    if not dense:
+        return np.repeat(exact_B[:, None], new_BM.shape[1], 1).astype(np.float32)
+    places = np.arange(new_BM.shape[1])
+    target_BM = np.array([(t + [-1] * len(places))[:len(places)] for t in targets])
+    inside_BM = places[None, :] < np.array([len(t) for t in targets])[:, None]
+    return np.where(inside_BM, new_BM == target_BM, exact_B[:, None]).astype(np.float32)
+
+
+def advantages(rewards_NKM: np.ndarray, normalize: bool, positive: bool = False) -> np.ndarray:
+    """Each reward minus the mean of its prompt's k samples at the same slot (and divided by
+    their std), [N * K, M]. A prompt whose answers all scored alike teaches nothing there.
+    Positive: the worse answers are not pushed down, only the better ones up (at learning
+    rates where full REINFORCE collapses, this one still learns)."""
+    centred_NKM = rewards_NKM - rewards_NKM.mean(1, keepdims=True)
     if normalize:
-        centred_NK = centred_NK / (rewards_NK.std(1, keepdims=True) + 1e-6)
-    return centred_NK.reshape(-1).astype(np.float32)
+        centred_NKM = centred_NKM / (rewards_NKM.std(1, keepdims=True) + 1e-6)
+    if positive:
+        centred_NKM = np.maximum(centred_NKM, 0.0)
+    return centred_NKM.reshape(-1, rewards_NKM.shape[2]).astype(np.float32)
 
 
 def reinforce_loss(logits_BTV: jax.Array, targets_BT: jax.Array, generated_BT: jax.Array,
-                   advantages_B: jax.Array, temperature: float) -> jax.Array:
+                   advantages_BT: jax.Array, temperature: float) -> jax.Array:
     """-(advantage x log-probability) of each generated token under the sampling policy
     (logits / temperature), averaged over generated tokens. Prompt and padding positions are
     dropped by `where`, not multiplied by 0, so their gradient is exactly zero."""
     nll_BT = gpt.token_nll(logits_BTV / temperature, targets_BT)
-    weighted_BT = jnp.where(generated_BT, advantages_B[:, None] * nll_BT, 0.0)  # -(advantage x log p)
+    weighted_BT = jnp.where(generated_BT, advantages_BT * nll_BT, 0.0)  # -(advantage x log p)
     return weighted_BT.sum() / jnp.maximum(generated_BT.sum(), 1)
 
 
@@ -322,6 +351,7 @@ class ReinforceTrainer(BaseTrainer):
 
     CONFIG = RLConfig
     TASK, MAX_NEW_TOKENS = "addition", 8  # as the built-in evaluation decodes it
+    PTX_ROWS, PTX_LEN = 16, 128  # the --ptx batch: sequences of the pretraining mix, as the pretrainer's
 
     def __init__(self, spec: ExecutionSpec, base: Optional[Node] = None):
         self.spec, self.cfg = spec, spec.cfg or RLConfig()
@@ -331,9 +361,9 @@ class ReinforceTrainer(BaseTrainer):
         self.model, self.variables, config = load_checkpoint(self.base.path, self.mesh)
         self.tokenizer = load_tokenizer(config, self.base.path)
         self.step, rows = 0, self.cfg.prompts * self.cfg.samples
-        if rows % self.mesh.shape["batch"]:
-            raise UsageError(f"--prompts x --samples ({rows}) must be a multiple of the mesh's batch size "
-                             f"{self.mesh.shape['batch']}")
+        if rows % self.mesh.shape["batch"] or self.cfg.ptx and self.PTX_ROWS % self.mesh.shape["batch"]:
+            raise UsageError(f"--prompts x --samples ({rows}) and, with --ptx, {self.PTX_ROWS} must be multiples "
+                             f"of the mesh's batch size {self.mesh.shape['batch']}")
 
     def optimizer(self) -> optax.GradientTransformation:
         c = self.cfg
@@ -360,14 +390,27 @@ class ReinforceTrainer(BaseTrainer):
         mask_BL = np.stack([m for _, m in rows[self.TASK]])
         return scores[self.TASK], tokens_BL, mask_BL, generated_positions(mask_BL, self.MAX_NEW_TOKENS)
 
-    def reinforce_step(self, tx: optax.GradientTransformation) -> Callable:
-        """One AdamW step on reinforce_loss over a batch of rollout rows."""
-        model, temperature = self.model, self.cfg.temperature
+    def advantages(self, samples: List[Dict[str, str]], exact_B: np.ndarray, tokens_BL: np.ndarray) -> np.ndarray:
+        """[B, L]: each generated slot's advantage (token_rewards, then advantages), 0 elsewhere."""
+        c, m = self.cfg, self.MAX_NEW_TOKENS
+        targets = [self.tokenizer.encode(s["answer"].strip()) for s in samples]
+        rewards_BM = token_rewards(tokens_BL[:, -m:], targets, exact_B, c.reward == "digits")
+        advantages_BM = advantages(rewards_BM.reshape(c.prompts, c.samples, m), c.normalize, c.positive)
+        return np.pad(advantages_BM, ((0, 0), (tokens_BL.shape[1] - m, 0)))
 
-        def loss_fn(params, tokens_BL, mask_BL, generated_BL, advantages_B):
+    def reinforce_step(self, tx: optax.GradientTransformation) -> Callable:
+        """One AdamW step on reinforce_loss over a batch of rollout rows, plus --ptx x the language-model
+        loss of a batch of pretraining text where one is given."""
+        model, temperature, ptx = self.model, self.cfg.temperature, self.cfg.ptx
+
+        def loss_fn(params, tokens_BL, mask_BL, generated_BL, advantages_BL, *text_BS):
             logits_BTV, _ = model.apply({"params": params}, tokens_BL[:, :-1], padding_mask=mask_BL[:, :-1],
                                         deterministic=True)
-            return reinforce_loss(logits_BTV, tokens_BL[:, 1:], generated_BL[:, 1:], advantages_B, temperature)
+            loss = reinforce_loss(logits_BTV, tokens_BL[:, 1:], generated_BL[:, 1:], advantages_BL[:, 1:],
+                                  temperature)
+            for text in text_BS:
+                loss += ptx * model.apply({"params": params}, text[:, :-1], text[:, 1:], deterministic=True)[1]
+            return loss
 
         def step(state, *batch):
             params, opt_state = state
@@ -388,11 +431,13 @@ class ReinforceTrainer(BaseTrainer):
                                          EvaluatorConfig(quiet=True, batch_size=c.prompts * c.samples))
         bar = tqdm(total=c.steps, desc="rl", disable=c.quiet or not sys.stderr.isatty())
         samples, started, last_line = self.prompt_groups(), time.time(), 0.0
+        texts = packed_batches(self.tokenizer, self.spec.seed, self.PTX_ROWS,
+                               min(self.PTX_LEN, self.model.block_size))  # a checkpoint of a shorter context
         for self.step in range(1, c.steps + 1):
             group = list(itertools.islice(samples, c.prompts * c.samples))
             rewards, *rows = self.rollouts(evaluator, group)
-            advantage = advantages(rewards.reshape(c.prompts, c.samples), c.normalize)
-            state, loss = step(state, *(evaluator.put(a, 0) for a in (*rows, advantage)))  # each process its rows
+            batch = (*rows, self.advantages(group, rewards, rows[0]), *([next(texts)] if c.ptx else []))
+            state, loss = step(state, *(evaluator.put(a, 0) for a in batch))  # each process its rows
             self.variables = {"params": state[0]}
             rate = c.prompts * c.samples * self.step / (time.time() - started)
             bar.set_postfix(reward=f"{rewards.mean():.3f}", samples_s=f"{rate:,.0f}")
