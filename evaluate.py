@@ -39,8 +39,8 @@ from hf import load_backbone, resolve_checkpoint  # load_backbone: the reference
 from inference import (MIN_TEMPERATURE, SORT_WINDOW, GenerationRequest, InferenceJob, PlanError, RequestError,
                        Request, Scored, per_document)
 from jobs import (MAX_SEED, ByteTokenizer, ExecutionSpec, HFTokenizer, Node, UsageError, builtin_items,
-                  checkpoint_files, exit_status, file_digest, is_checkpoint_file, is_eval_item, job, load_checkpoint,
-                  load_tokenizer, model_config, open_regular, option, parse_options, read_json, short,
+                  checkpoint_files, exit_status, file_digest, is_checkpoint_file, is_eval_item, job, lean_cpu_schedules,
+                  load_checkpoint, load_tokenizer, model_config, open_regular, option, parse_options, read_json, short,
                   signals_held, to_host, write_atomic)
 from tasks import LM_EVAL, check_task_options, run_tasks
 
@@ -1223,7 +1223,11 @@ def check_address(text: str) -> None:
 
 
 def start_processes(cfg: Any) -> None:
-    """Join a multi-process (multi-host) run; on CPU the collectives go through gloo."""
+    """Set up this process before anything touches a device: XLA's memory-minimizing CPU
+    scheduler for a model in bfloat16 (jobs.lean_cpu_schedules), and joining a multi-process
+    (multi-host) run, whose collectives on CPU go through gloo."""
+    if getattr(cfg, "dtype", "float32") != "float32":
+        lean_cpu_schedules()
     if cfg.num_processes > 1 or cfg.coordinator:
         # must happen before anything touches a device; the setting only affects CPU devices
         jax.config.update("jax_cpu_collectives_implementation", "gloo")

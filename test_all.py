@@ -2207,21 +2207,40 @@ def test_two_processes_each_read_only_their_devices_blocks(hf_models):
         assert split > 2 * replicated and read == replicated + split // 2
 
 
+# A forward pass in DTYPE compiled after evaluate.start_processes set up the process, as the
+# command line does: its temporaries, and a float32 copy of its parameters, in bytes
+FORWARD_TEMPORARIES = r"""
+import os, sys, types
+import jax, jax.numpy as jnp
+import evaluate, gpt
+dtype = sys.argv[1]
+evaluate.start_processes(types.SimpleNamespace(dtype=dtype, num_processes=1, coordinator=None))
+model = gpt.GPT(n_layers=8, n_embd=256, n_head=4, block_size=64, vocab_size=320, param_dtype=dtype,
+                activation_dtype=dtype)
+tokens = jax.ShapeDtypeStruct((2, 64), jnp.int32)
+variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((2, 64), jnp.int32)))
+forward = jax.jit(lambda v, x: model.apply(v, x, deterministic=True)[0])
+print(forward.lower(variables, tokens).compile().memory_analysis().temp_size_in_bytes,
+      4 * sum(x.size for x in jax.tree.leaves(variables)), int("scheduler=false" in os.environ["XLA_FLAGS"]))
+"""
+
+
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA's CPU scheduler")
 def test_a_bfloat16_forward_converts_each_weight_where_it_is_used():
-    """XLA's CPU matmuls take float32. Under the scheduler jobs.py selects, a bfloat16
-    forward pass converts each block's weights when the block runs, so its temporaries are
-    far below a float32 copy of the model (the default scheduler converts them all first)."""
-    model = gpt.GPT(n_layers=8, n_embd=256, n_head=4, block_size=64, vocab_size=320,
-                    param_dtype="bfloat16", activation_dtype="bfloat16")
-    tokens = jax.ShapeDtypeStruct((2, 64), jnp.int32)
-    variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((2, 64), jnp.int32)))
-    forward = jax.jit(lambda v, x: model.apply(v, x, deterministic=True)[0])
-    temporaries = forward.lower(variables, tokens).compile().memory_analysis().temp_size_in_bytes
-    float32_copy = 4 * sum(x.size for x in jax.tree.leaves(variables))
-    print(f"temporaries {temporaries / 2**20:.1f} MiB, a float32 copy of the model {float32_copy / 2**20:.1f} MiB")
-    assert "--xla_cpu_enable_concurrency_optimized_scheduler=false" in os.environ["XLA_FLAGS"]
-    assert temporaries < float32_copy / 4
+    """XLA's CPU matmuls take float32. For a bfloat16 model the command line selects XLA's
+    memory-minimizing scheduler: each block's weights are converted when the block runs, so
+    the temporaries stay far below a float32 copy of the model. A float32 model keeps the
+    default scheduler (faster there), which in bfloat16 would convert them all first."""
+    runs = {}
+    for dtype in ("bfloat16", "float32"):
+        proc = subprocess.run([sys.executable, "-c", FORWARD_TEMPORARIES, dtype], cwd=ROOT, env=child_env(1),
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        runs[dtype] = tuple(map(int, proc.stdout.split()))
+    (bf16_temporaries, float32_copy, bf16_lean), (f32_temporaries, _, f32_lean) = runs["bfloat16"], runs["float32"]
+    print(f"bfloat16 temporaries {bf16_temporaries / 2**20:.1f} MiB, a float32 copy of the model "
+          f"{float32_copy / 2**20:.1f} MiB; float32's own temporaries {f32_temporaries / 2**20:.1f} MiB")
+    assert bf16_temporaries < float32_copy / 4 and bf16_lean and not f32_lean
 
 
 @needs_torch
