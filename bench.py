@@ -1066,7 +1066,8 @@ import evaluate
 status = evaluate.main(sys.argv[1:])
 with open("/proc/self/status") as f:
     peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-print(json.dumps({"status": status, "peak_rss": peak}))
+print(json.dumps({"peak_rss": peak}))
+sys.exit(status)
 """
 
 
@@ -1133,10 +1134,9 @@ def evaluate_peak(cfg: BenchConfig) -> Dict[str, Any]:
         proc = subprocess.run([sys.executable, "-c", EVALUATE_SIDE, *argv], capture_output=True, text=True,
                               cwd=Path(__file__).resolve().parent)
         seconds = time.perf_counter() - start
-    result = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() else {"status": proc.returncode}
-    if result["status"]:
+    if proc.returncode:
         raise UsageError(f"--load {cfg.load}: evaluate.py failed: {(proc.stderr.strip() or '?').splitlines()[-1]}")
-    return {"seconds": seconds, "peak_rss": result["peak_rss"]}
+    return {"seconds": seconds, **json.loads(proc.stdout.strip().splitlines()[-1])}
 
 
 def load_table(cfg: BenchConfig, r: Dict[str, Any]) -> str:

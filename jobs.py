@@ -705,7 +705,7 @@ class TensorFiles:
         self.where = self._locate(directory)  # tensor name -> file
         self.prefix = prefix if any(n.startswith(prefix) for n in self.where) else ""
         self.read: set = set()
-        self.layouts: Dict[str, Dict[str, Tuple[np.dtype, Tuple[int, ...], int]]] = {}  # file -> its tensors
+        self.headers: Dict[str, Dict[str, Tuple[str, Tuple[int, ...], int]]] = {}  # file -> its tensors
 
     @staticmethod
     def _locate(directory: str) -> Dict[str, str]:
@@ -755,7 +755,7 @@ class TensorFiles:
         if stored not in self.where:
             raise UsageError(f"{self.directory}: tensor {stored!r} is missing")
         file = self.where[stored]
-        stored_dtype, stored_shape = self._header(file, stored)
+        stored_dtype, stored_shape, _ = self._header(file, stored)
         if stored_dtype not in FLOAT_DTYPES:
             raise UsageError(f"{file}: tensor {stored!r} has dtype {stored_dtype}; only float "
                              "weights are supported (no quantized checkpoints)")
@@ -765,23 +765,33 @@ class TensorFiles:
         self.read.add(stored)
         return LazyTensor(stored_shape, self.dtype, lambda index: self._read_block(file, stored, index))
 
-    @staticmethod
-    def _header(file: str, stored: str) -> Tuple[str, Tuple[int, ...]]:
-        """(dtype name as numpy spells it, shape) of a stored tensor, from the file's header."""
-        try:
-            with safe_open(file, framework="numpy") as f:
-                tensor = f.get_slice(stored)
-                return SAFETENSORS_DTYPES.get(tensor.get_dtype(), tensor.get_dtype()), tuple(tensor.get_shape())
-        except (SafetensorError, OSError, ValueError) as e:
-            raise UsageError(f"{file}: cannot read tensor {stored!r} ({first_line(e)})") from None
+    def _header(self, file: str, stored: str) -> Tuple[str, Tuple[int, ...], int]:
+        """(dtype name as numpy spells it, shape, byte offset in the file) of a stored tensor.
+        Each file's header is read once: checked by safe_open (offsets inside the file, sizes
+        that match the shapes), then its JSON read for the offsets."""
+        if file not in self.headers:
+            try:
+                with safe_open(file, framework="numpy"):
+                    pass
+                with open(file, "rb") as f:
+                    size = int.from_bytes(f.read(8), "little")
+                    header = json.loads(f.read(size))
+            except (SafetensorError, OSError, ValueError) as e:
+                raise UsageError(f"{file}: cannot read tensor {stored!r} ({first_line(e)})") from None
+            self.headers[file] = {name: (SAFETENSORS_DTYPES.get(t["dtype"], t["dtype"]), tuple(t["shape"]),
+                                         8 + size + t["data_offsets"][0])
+                                  for name, t in header.items() if name != "__metadata__"}
+        if stored not in self.headers[file]:  # the index names a file that does not hold it
+            raise UsageError(f"{file}: cannot read tensor {stored!r} (the file does not hold it)")
+        return self.headers[file][stored]
 
     def _read_block(self, file: str, stored: str, index: Tuple[slice, ...]) -> np.ndarray:
         """One block of a stored tensor in self.dtype, converted from the file's dtype
         directly (bfloat16 stays bfloat16), checked. Read with plain reads straight into an
         aligned array (jax then places it without a copy): a memory map, as safetensors'
         get_slice reads, costs a page fault a page and is 4x slower from the page cache."""
-        dtype, shape, offset = self._stored(file, stored)
-        block = aligned_empty(block_shape(index), dtype)
+        dtype, shape, offset = self._header(file, stored)
+        block = aligned_empty(block_shape(index), dtype)  # a float dtype: get() checked it
         try:
             with open(file, "rb", buffering=0) as f:
                 read_block_into(f, offset, shape, index, block)
@@ -794,19 +804,6 @@ class TensorFiles:
             raise UsageError(f"{file}: tensor {stored!r} holds NaN or infinite values (read as "
                              f"{self.dtype.name}): broken weights")
         return block
-
-    def _stored(self, file: str, stored: str) -> Tuple[np.dtype, Tuple[int, ...], int]:
-        """(dtype, shape, byte offset in the file) of a stored tensor, from the file's header,
-        read once per file (safe_open has checked it: offsets inside the file, sizes that
-        match the shapes)."""
-        if file not in self.layouts:
-            with open(file, "rb") as f:
-                size = int.from_bytes(f.read(8), "little")
-                header = json.loads(f.read(size))
-            self.layouts[file] = {name: (np.dtype(SAFETENSORS_DTYPES[t["dtype"]]), tuple(t["shape"]),
-                                         8 + size + t["data_offsets"][0])
-                                  for name, t in header.items() if name != "__metadata__"}
-        return self.layouts[file][stored]
 
     def zeros(self, shape: Tuple[int, ...]) -> LazyTensor:
         return zeros(shape, self.dtype)

@@ -4265,6 +4265,14 @@ def test_bad_huggingface_directories_are_refused(hf_gpt2, tmp_path):
         (target / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
         return target
 
+    def misplaced(name):  # the index puts the embedding in a file that does not hold it
+        target = index(name, {})
+        save_file({"other": np.ones(2, np.uint16)}, str(target / "other.safetensors"))  # a dtype never read
+        weight_map = {n: "model.safetensors" for n in load_file(str(target / "model.safetensors"))}
+        (target / "model.safetensors.index.json").write_text(
+            json.dumps({"weight_map": {**weight_map, "transformer.wte.weight": "other.safetensors"}}))
+        return target
+
     def without_tokenizer():
         target = tmp_path / "notokenizer"
         shutil.copytree(hf_gpt2, target, ignore=shutil.ignore_patterns("tokenizer*", "vocab*", "merges*",
@@ -4280,6 +4288,8 @@ def test_bad_huggingface_directories_are_refused(hf_gpt2, tmp_path):
              (index("list", ["model.safetensors"]), ['"weight_map" must map tensor names to file names']),
              (index("ints", {"transformer.wte.weight": 5}), ['"weight_map" must map']),
              (index("escape", {"transformer.wte.weight": "../gpt2/model.safetensors"}), ["is not a file name in"]),
+             (misplaced("misplaced"), ["other.safetensors: cannot read tensor 'transformer.wte.weight'",
+                                       "the file does not hold it"]),
              (without_tokenizer(), ["no tokenizer files"])]
     outcomes = cli_many(*(["--ckpt", path, "--evals", "grammar", "--limit", "2", "--out", tmp_path / "o"]
                           for path, _ in cases))
