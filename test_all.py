@@ -1778,6 +1778,43 @@ def test_rl_gradient_is_zero_at_prompt_and_padding_positions(small):
     np.testing.assert_array_equal(touched_BT, generated_BL[:, 1:])
 
 
+def test_rl_rows_cut_to_their_real_columns_lose_alike(small):
+    """The trainer drops the columns where no rollout row has a real token (left of the
+    shortest prompt's padding, right of the longest answer), widened to a multiple of 8:
+    every real token is kept, and the loss is the same."""
+    model, host = small
+    ev = evaluator(small, [])
+    gen = evaluate.RolloutEvaluation("gen", GEN[:2] * 4, max_new_tokens=6)  # short prompts: 16 slots hold them
+    _, rows = gen(ev, ev.tokenizer, reduce="none", return_intermediates=True, temperature=1.0, seed=3)
+    tokens_BL, mask_BL = np.stack([t for t, _ in rows]), np.stack([m for _, m in rows])
+    columns = train.real_columns(mask_BL)
+    width = columns.stop - columns.start
+    assert width % 8 == 0 and width < tokens_BL.shape[1] and mask_BL[:, columns].sum() == mask_BL.sum()
+    advantages_BL = np.random.default_rng(0).normal(size=tokens_BL.shape).astype(np.float32)
+    generated_BL = train.generated_positions(mask_BL, 6)
+
+    def loss(t, m, g, a):
+        return train.reinforce_loss(jnp.asarray(logits_of(model, host, t[:, :-1], m[:, :-1])), t[:, 1:], g[:, 1:],
+                                    a[:, 1:], 1.0)
+    np.testing.assert_allclose(loss(tokens_BL, mask_BL, generated_BL, advantages_BL),
+                               loss(*(a[:, columns] for a in (tokens_BL, mask_BL, generated_BL, advantages_BL))),
+                               rtol=1e-5)
+
+
+@hypothesis.settings(max_examples=200, deadline=None, database=None)
+@hypothesis.given(spans=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 30)), min_size=1, max_size=6),
+                  width=st.integers(1, 40))
+def test_real_columns_keep_every_real_token(spans, width):
+    """Any rows of real tokens between padding: the slice holds all of them, is a multiple of
+    8 wide (or the whole row), and lies within the row."""
+    mask_BL = np.zeros((len(spans), width), bool)
+    for row, (start, length) in enumerate(spans):
+        mask_BL[row, min(start, width):min(start + length, width)] = True
+    columns = train.real_columns(mask_BL)
+    assert 0 <= columns.start < columns.stop <= width and mask_BL[:, columns].sum() == mask_BL.sum()
+    assert (columns.stop - columns.start) % 8 == 0 or columns.stop - columns.start == width
+
+
 def test_rl_digit_rewards_and_their_per_slot_advantages():
     """--reward digits: each answer token its own correctness, past the answer the exact
     match; each slot's baseline is its prompt's mean at that slot; --positive keeps the
