@@ -1583,7 +1583,8 @@ def test_registry_and_jobs_cli(capsys):
                          (["gpt/train/pretrain", "--steps", "0"], "--steps"), (["gpt/train/rl"], "--init CKPT is needed"),
                          (["gpt/train/rl", "--init", "/nonexistent"], "does not exist"),
                          (["gpt/train/rl", "--init", "x", "--temperature", "0"], "--temperature"),
-                         (["gpt/train/rl", "--init", "x", "--reward", "bits"], "--reward must be exact or digits")]:
+                         (["gpt/train/rl", "--init", "x", "--reward", "bits"], "--reward must be exact or digits"),
+                         (["gpt/train/rl", "--init", "x", "--ptx-rows", "0"], "--ptx-rows must be at least 1")]:
         assert jobs.main(args) == 2  # what `python jobs.py ARGS` exits with
         assert needle in capsys.readouterr().err
 

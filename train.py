@@ -277,6 +277,7 @@ class RLConfig:
     positive: bool = option(False, "keep only the advantages above 0: learn from the better answers alone")
     ptx: float = option(0.0, "weight of the pretraining loss on a batch of the training mix, added to the "
                         "RL loss (InstructGPT's ptx): keeps the other tasks where they were")
+    ptx_rows: int = option(16, "sequences of 128 tokens of the training mix in each step's --ptx batch")
     lr: float = option(1e-4, "learning rate (AdamW), constant after --warmup steps")
     warmup: int = option(5, "steps of linear warmup")
     weight_decay: float = option(0.0, "AdamW weight decay on matrices")
@@ -293,7 +294,7 @@ class RLConfig:
         if not self.init:
             raise UsageError("--init CKPT is needed: the native checkpoint to start from (python train.py "
                              "writes runs/train)")
-        for name in ("steps", "prompts", "samples", "ckpt_every"):
+        for name in ("steps", "prompts", "samples", "ckpt_every", "ptx_rows"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
         if self.reward not in ("exact", "digits"):
@@ -364,7 +365,7 @@ class ReinforceTrainer(BaseTrainer):
 
     CONFIG = RLConfig
     TASK, MAX_NEW_TOKENS = "addition", 8  # as the built-in evaluation decodes it
-    PTX_ROWS, PTX_LEN = 16, 128  # the --ptx batch: sequences of the pretraining mix, as the pretrainer's
+    PTX_LEN = 128  # the --ptx batch's sequences: as long as the pretrainer's
 
     def __init__(self, spec: ExecutionSpec, base: Optional[Node] = None):
         self.spec, self.cfg = spec, spec.cfg or RLConfig()
@@ -374,8 +375,8 @@ class ReinforceTrainer(BaseTrainer):
         self.model, self.variables, config = load_checkpoint(self.base.path, self.mesh)
         self.tokenizer = load_tokenizer(config, self.base.path)
         self.step, rows = 0, self.cfg.prompts * self.cfg.samples
-        if rows % self.mesh.shape["batch"] or self.cfg.ptx and self.PTX_ROWS % self.mesh.shape["batch"]:
-            raise UsageError(f"--prompts x --samples ({rows}) and, with --ptx, {self.PTX_ROWS} must be multiples "
+        if rows % self.mesh.shape["batch"] or self.cfg.ptx and self.cfg.ptx_rows % self.mesh.shape["batch"]:
+            raise UsageError(f"--prompts x --samples ({rows}) and, with --ptx, --ptx-rows ({self.cfg.ptx_rows}) must be multiples "
                              f"of the mesh's batch size {self.mesh.shape['batch']}")
 
     def optimizer(self) -> optax.GradientTransformation:
@@ -444,7 +445,7 @@ class ReinforceTrainer(BaseTrainer):
                                          EvaluatorConfig(quiet=True, batch_size=c.prompts * c.samples))
         bar = tqdm(total=c.steps, desc="rl", disable=c.quiet or not sys.stderr.isatty())
         samples, started, last_line = self.prompt_groups(), time.time(), 0.0
-        texts = packed_batches(self.tokenizer, self.spec.seed, self.PTX_ROWS,
+        texts = packed_batches(self.tokenizer, self.spec.seed, c.ptx_rows,
                                min(self.PTX_LEN, self.model.block_size))  # a checkpoint of a shorter context
         for self.step in range(1, c.steps + 1):
             group = list(itertools.islice(samples, c.prompts * c.samples))
