@@ -353,10 +353,11 @@ def real_columns(mask_BL: np.ndarray, multiple: int = 8) -> slice:
     4 of 8, so more than half of the slots are padding in every row. Positions count from
     each row's first real token and padded keys are never attended to, so the columns cut
     change no logit, only the work."""
-    used = np.flatnonzero(mask_BL.any(0))
-    end = used[-1] + 1 if used.size else 1
-    width = min(-(-(end - (used[0] if used.size else 0)) // multiple) * multiple, mask_BL.shape[1])
-    return slice(max(end - width, 0), max(end - width, 0) + width)
+    used = np.flatnonzero(mask_BL.any(0)) if mask_BL.any() else np.zeros(1, int)
+    end = used[-1] + 1
+    width = min(-(-(end - used[0]) // multiple) * multiple, mask_BL.shape[1])
+    start = max(end - width, 0)
+    return slice(start, start + width)
 
 
 @job("gpt/train/rl")
@@ -376,8 +377,8 @@ class ReinforceTrainer(BaseTrainer):
         self.tokenizer = load_tokenizer(config, self.base.path)
         self.step, rows = 0, self.cfg.prompts * self.cfg.samples
         if rows % self.mesh.shape["batch"] or self.cfg.ptx and self.cfg.ptx_rows % self.mesh.shape["batch"]:
-            raise UsageError(f"--prompts x --samples ({rows}) and, with --ptx, --ptx-rows ({self.cfg.ptx_rows}) must be multiples "
-                             f"of the mesh's batch size {self.mesh.shape['batch']}")
+            raise UsageError(f"--prompts x --samples ({rows}) and, with --ptx, --ptx-rows ({self.cfg.ptx_rows}) must "
+                             f"be multiples of the mesh's batch size {self.mesh.shape['batch']}")
 
     def optimizer(self) -> optax.GradientTransformation:
         c = self.cfg
