@@ -1802,7 +1802,7 @@ def test_rl_rows_cut_to_their_real_columns_lose_alike(small):
                                rtol=1e-5)
 
 
-@hypothesis.settings(max_examples=200, deadline=None, database=None)
+@fuzz_settings(200)
 @hypothesis.given(spans=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 30)), min_size=1, max_size=6),
                   width=st.integers(1, 40))
 def test_real_columns_keep_every_real_token(spans, width):
