@@ -1202,10 +1202,14 @@ def error_line(text: str) -> str:
 def exit_status(command: Callable[[], None]) -> int:
     """Run a command-line action: 0 when it succeeds, 2 with one line on stderr for a
     UsageError or an OSError; on Ctrl-C or SIGTERM, one line and the process ends at once
-    with 130 or 143. Library warnings are silenced, so the first line on stderr is ours."""
+    with 130 or 143. Library warnings are silenced, so the first line on stderr is ours.
+    The signal handlers and sys.unraisablehook are put back as they were when it returns
+    or raises: a program that calls main() goes on with its own."""
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    hook = sys.unraisablehook
     sys.unraisablehook = redeliver_ctrl_c
     signal.signal(signal.SIGTERM, on_signal)
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where SIGINT is ignored (cmd &)
+    if handlers[signal.SIGINT] is signal.default_int_handler:  # not where SIGINT is ignored (cmd &)
         signal.signal(signal.SIGINT, on_signal)
     transformers.logging.set_verbosity_error()
     try:
@@ -1228,6 +1232,10 @@ def exit_status(command: Callable[[], None]) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(143 if terminated else 130)
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+        sys.unraisablehook = hook
     return 0
 
 

@@ -1386,17 +1386,11 @@ def test_generation_equals_a_prompt_alone_decoded_to_the_end(fuzz, prompts, stop
 # against lm-eval's own HF model
 
 def main_in_process(*args):
-    """evaluate.main in this process (no start-up, the suite's compiled programs), its signal
-    handlers put back afterwards: (exit status, stderr)."""
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    hook, err = sys.unraisablehook, io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err):
-            status = evaluate.main([str(a) for a in args])
-    finally:
-        for s, handler in handlers.items():
-            signal.signal(s, handler)
-        sys.unraisablehook = hook
+    """evaluate.main in this process (no start-up, the suite's compiled programs): (exit
+    status, stderr)."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        status = evaluate.main([str(a) for a in args])
     return status, err.getvalue()
 
 
@@ -1587,6 +1581,41 @@ def test_registry_and_jobs_cli(capsys):
                          (["gpt/train/rl", "--init", "x", "--ptx-rows", "0"], "--ptx-rows must be at least 1")]:
         assert jobs.main(args) == 2  # what `python jobs.py ARGS` exits with
         assert needle in capsys.readouterr().err
+
+
+def test_exit_status_gives_back_the_callers_signal_handlers(capsys):
+    """A program that calls a main() in its own process keeps its own Ctrl-C and SIGTERM
+    handlers and unraisable hook afterwards, whether the command succeeded, was refused
+    (status 2) or raised: only the command runs under exit_status's."""
+    mine = lambda signum, frame: None
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    hook = sys.unraisablehook
+    seen = []
+
+    def usage():
+        raise jobs.UsageError("no")
+
+    def fails():
+        raise ValueError("a bug")
+
+    try:
+        for s in saved:
+            signal.signal(s, mine)
+        sys.unraisablehook = mine
+        for command in (lambda: seen.append(signal.getsignal(signal.SIGTERM)), usage, fails):
+            try:
+                status = jobs.exit_status(command)
+            except ValueError:
+                status = None
+            assert status == {usage: 2, fails: None}.get(command, 0)
+            assert signal.getsignal(signal.SIGINT) is mine and signal.getsignal(signal.SIGTERM) is mine
+            assert sys.unraisablehook is mine
+        assert seen == [jobs.on_signal]  # the command itself ran under exit_status's handler
+        assert "error: no" in capsys.readouterr().err
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+        sys.unraisablehook = hook
 
 
 PROJECT_FILES = {"gpt": 0, "inference": 1, "jobs": 1, "hf": 2, "tasks": 3, "evaluate": 4, "train": 5,
