@@ -53,12 +53,14 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib.metadata
 import importlib.util
 import json
 import os
 import re
 import resource
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -84,14 +86,15 @@ import evaluate
 import gpt
 import inference
 from hf import load_backbone
-from jobs import SAFETENSORS_DTYPES, ByteTokenizer, ExecutionSpec, UsageError, exit_status, option, parse_options
+from jobs import (SAFETENSORS_DTYPES, ByteTokenizer, ExecutionSpec, UsageError, exit_status, option, parse_options,
+                  write_atomic)
 
 
 @dataclasses.dataclass
 class BenchConfig:
     """Options of `python bench.py` (validated: unknown names and bad types fail)."""
 
-    family: str = option("gpt2", "model shape: gpt2, or qwen2 (grouped kv heads, SwiGLU, RMSNorm, rotary)")
+    family: str = option("gpt2", "model shape: gpt2, qwen2 (grouped kv heads, SwiGLU, RMSNorm, rotary) or llama")
     layers: int = option(12, "transformer blocks of the benchmarked model")
     width: int = option(768, "model width")
     heads: int = option(12, "attention heads")
@@ -114,8 +117,9 @@ class BenchConfig:
     device: str = option("cpu", "where transformers runs: cpu or cuda (jax runs on its default backend)")
     limits: bool = option(False, "this project alone against the machine's own limits (made for a GPU or TPU)")
     dtype: str = option("float32", "parameters and activations of both contenders (float32 checks exactness)")
-    peak_tflops: float = option(0.0, "nominal matmul peak per device at --dtype, e.g. 790 on an H200 (0: none)")
-    memory_tbps: float = option(0.0, "nominal memory bandwidth per device, e.g. 4.3 on an H200 (0: none)")
+    peak_tflops: float = option(0.0, "nominal matmul peak per device at --dtype, e.g. 989 (dense bf16) on an H200 "
+                                     "SXM (0: none)")
+    memory_tbps: float = option(0.0, "nominal memory bandwidth per device, e.g. 4.8 on an H200 (0: none)")
     shapes: bool = option(False, "benchmark shapes (MMLU, hellaswag, gsm8k, gsm8k-CoT, rolling perplexity) through "
                                  "this project's command line and lm-eval's HF model, a random Llama of --layers ...")
     workloads: str = option("mmlu,hellaswag,gsm8k,gsm8k_cot,wikitext", "the --shapes workloads to run, in order")
@@ -126,6 +130,21 @@ class BenchConfig:
     max_gen_toks: int = option(256, "--shapes: new tokens at most per gsm8k-style answer (gsm8k's 256)")
     wikitext_docs: int = option(60, "--shapes: documents of the rolling perplexity")
     load: str = option("", "a checkpoint directory to time loading, with its peak memory, beside `cat` (bench_load)")
+    gpu_report: bool = option(False, "every accelerator measurement in one prepared run (see --report-parts)")
+    report_parts: str = option("device,ceilings,parity,qwen2-1.5b,shapes,smollm2",
+                               "--gpu-report's parts, in order: device, ceilings, parity, shapes, or a model "
+                               "(smollm2, qwen2-1.5b, tiny)")
+    report_dir: str = option("runs/gpu-report", "where --gpu-report's parts write their JSON and logs")
+    report_seconds: float = option(420.0, "--gpu-report's time: a part not begun by then is skipped, one "
+                                          "running then is stopped")
+    report_part: str = option("", "run one --gpu-report part in this process (what --gpu-report calls)")
+    decode_batches: str = option("1,16,64", "--gpu-report: the rows decoded at once, one measurement each")
+    fixture: str = option("", "--gpu-report's parity part: a directory made by --make-fixture on a CPU")
+    parity_runs: str = option("float32-highest,float32,bfloat16", "--gpu-report's parity runs (float32-highest: "
+                                                                   "jax's highest matmul precision), and the CPU "
+                                                                   "answers --make-fixture writes for them")
+    make_fixture: str = option("", "write a small model, data and this machine's answers to this directory "
+                                   "(for --gpu-report --fixture)")
 
 
 # ----------------------------------------------------------------------------- timing
@@ -238,12 +257,13 @@ def save_hf_model(cfg: BenchConfig, path: str) -> None:
         config = transformers.GPT2Config(n_positions=cfg.context, n_embd=cfg.width, n_layer=cfg.layers,
                                          n_head=cfg.heads, n_inner=cfg.mlp_hidden or None, **common)
     else:
-        config = transformers.Qwen2Config(max_position_embeddings=cfg.context, hidden_size=cfg.width,
-                                          num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
-                                          num_key_value_heads=cfg.kv_heads or cfg.heads,
-                                          intermediate_size=cfg.mlp_hidden or 4 * cfg.width,
-                                          tie_word_embeddings=True, **common)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+        kind = transformers.Qwen2Config if cfg.family == "qwen2" else transformers.LlamaConfig
+        config = kind(max_position_embeddings=cfg.context, hidden_size=cfg.width, num_hidden_layers=cfg.layers,
+                      num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads or cfg.heads,
+                      intermediate_size=cfg.mlp_hidden or 4 * cfg.width, tie_word_embeddings=True, **common)
+    with torch.device(cfg.device):  # a large model is made at once where it runs
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    (model if cfg.device == "cpu" else model.to(getattr(torch, cfg.dtype))).save_pretrained(path)
 
 
 def project_model(cfg: BenchConfig) -> gpt.GPT:
@@ -332,9 +352,11 @@ def tolerance(cfg: BenchConfig) -> float:
     return 1e-4 if cfg.dtype == "float32" else 2e-2
 
 
-def bench_scoring(cfg: BenchConfig, model, variables, mesh, hf, log: CompileLog) -> Dict[str, Any]:
+def bench_scoring(cfg: BenchConfig, model, variables, mesh, hf, log: CompileLog,
+                  more: Optional[Dict[str, Callable]] = None) -> Dict[str, Any]:
     """Tokens/s of the three scorers on the same rows, raced with the matmul peak;
-    asserts that their summed log-likelihoods agree."""
+    asserts that their summed log-likelihoods agree. more: name -> a jitted function of
+    (params, tokens_BT, targets_BT) giving each row's summed log-likelihood, raced too."""
     tokenizer = IdTokenizer(cfg.vocab)
     docs_BT = np.random.default_rng(cfg.seed).integers(0, cfg.vocab, (cfg.batch, cfg.seq), dtype=np.int32)
     dataset = [{"text": tokenizer.decode(doc.tolist())} for doc in docs_BT]
@@ -355,6 +377,8 @@ def bench_scoring(cfg: BenchConfig, model, variables, mesh, hf, log: CompileLog)
                   "bare_jax": lambda: bare(variables["params"], x, y)}
     if cfg.family != "gpt2":  # the bare forward is written for GPT-2 only
         del contenders["bare_jax"]
+    for name, fn in (more or {}).items():
+        contenders[name] = lambda fn=fn: fn(variables, x, y)
     out = race({**contenders, **matmul_contenders(sizes, gpt.dtype_of(cfg.dtype))}, cfg.reps, log)
     peak = matmul_peak(out, sizes)
     sums = {name: float(np.sum(np.asarray(r.pop("out"), np.float64))) for name, r in out.items()}
@@ -979,23 +1003,30 @@ def bench_shapes(cfg: BenchConfig, say: Callable[[str], None]) -> Dict[str, Any]
     workdir = Path(cfg.workdir or tempfile.mkdtemp(prefix="bench-shapes-"))
     built, out = build_shapes(cfg, workdir, say), {}
     for name in cfg.workloads.split(","):
-        task, runs = SHAPES[name][0], workdir / "runs" / name
-        shutil.rmtree(runs, ignore_errors=True)
-        say(f"{name}: lm-eval's HF model")
-        hf_side = [built["model"], built["tasks"], task, str(cfg.batch), cfg.device, cfg.dtype]
-        hf_s, theirs = run_side([sys.executable, "-c", HF_SIDE, *hf_side], runs / "hf-datasets")
-        say(f"{name}: this project, a first run (its compilation cache empty), then a second")
-        our_s, ours = run_ours(cfg, built, task, runs / "ours", runs / "compile-cache")
-        again_s, again = run_ours(cfg, built, task, runs / "again", runs / "compile-cache")
-        assert again["samples"] == ours["samples"], f"{name}: a second run answers otherwise"
-        out[name] = {"hf_seconds": hf_s, "our_seconds": our_s, "second_seconds": again_s,
-                     "compiled": ours["compiled"], "compiled_again": again["compiled"], **agreement(theirs, ours),
-                     **work_done(theirs, ours)}
+        out[name] = shape_workload(cfg, built, name, workdir / "runs" / name, say)
         # sums in another order: float32 log-likelihoods agree to ~1e-5 (texts may differ after a near-tie)
         assert out[name]["same_count"] and out[name]["max_rel"] < tolerance(cfg), f"{name}: answers differ: {out[name]}"
     if not cfg.workdir:
         shutil.rmtree(workdir, ignore_errors=True)
     return {"built": built, "workloads": out}
+
+
+def shape_workload(cfg: BenchConfig, built: Dict[str, Any], name: str, runs: Path,
+                   say: Callable[[str], None]) -> Dict[str, Any]:
+    """One workload through lm-eval's HF model, then twice through this project's command
+    line (a first run, its compilation cache empty, then a second): the wall times, the
+    programs compiled, the work each computed and how far their answers agree."""
+    task = SHAPES[name][0]
+    shutil.rmtree(runs, ignore_errors=True)
+    say(f"{name}: lm-eval's HF model")
+    hf_side = [built["model"], built["tasks"], task, str(cfg.batch), cfg.device, cfg.dtype]
+    hf_s, theirs = run_side([sys.executable, "-c", HF_SIDE, *hf_side], runs / "hf-datasets")
+    say(f"{name}: this project, a first run (its compilation cache empty), then a second")
+    our_s, ours = run_ours(cfg, built, task, runs / "ours", runs / "compile-cache")
+    again_s, again = run_ours(cfg, built, task, runs / "again", runs / "compile-cache")
+    assert again["samples"] == ours["samples"], f"{name}: a second run answers otherwise"
+    return {"hf_seconds": hf_s, "our_seconds": our_s, "second_seconds": again_s, "compiled": ours["compiled"],
+            "compiled_again": again["compiled"], **agreement(theirs, ours), **work_done(theirs, ours)}
 
 
 def shapes_table(cfg: BenchConfig, r: Dict[str, Any]) -> str:
@@ -1027,6 +1058,462 @@ def shapes_table(cfg: BenchConfig, r: Dict[str, Any]) -> str:
                   "CPUs): the wall times are noisy"]
     lines.append(f"\nbench ran {r['seconds']:.0f} s")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- one prepared run on a GPU
+# `python bench.py --gpu-report` makes every accelerator measurement in one run of at most
+# --report-seconds (an accelerator is often lent for minutes at a time). Each part runs in a
+# process of its own: one that fails or runs out of time costs only itself, and XLA and torch
+# each find the GPU's memory free in turn. A part writes REPORT_DIR/PART.json as it goes, and
+# the report is made from whatever is there. `--make-fixture DIR`, on the CPU beforehand,
+# writes the model, data and this CPU's answers that the parity part compares the GPU's with.
+
+NOMINAL = {  # nvidia-smi's name -> (dense bf16 FLOP/s, HBM bytes/s), from the vendor's sheets
+    "NVIDIA H200": (989e12, 4.8e12), "NVIDIA H200 NVL": (835e12, 4.8e12),
+    "NVIDIA H100 80GB HBM3": (989e12, 3.35e12)}
+
+REPORT_MODELS = {  # a model part's name -> its shape, random weights
+    "smollm2": dict(family="llama", layers=30, width=576, heads=9, kv_heads=3, mlp_hidden=1536, vocab=49152),
+    "qwen2-1.5b": dict(family="qwen2", layers=28, width=1536, heads=12, kv_heads=2, mlp_hidden=8960, vocab=151936),
+    "tiny": dict(family="llama", layers=2, width=64, heads=4, kv_heads=2, mlp_hidden=128, vocab=512),  # a dry run
+}
+PARITY_RUNS = {"float32-highest": ("float32", "highest"), "float32": ("float32", None), "bfloat16": ("bfloat16", None)}
+FIXTURE_MODEL = dict(layers=4, width=256, heads=4, kv_heads=2, mlp_hidden=704, context=512, init_std=0.1, vocab=2048)
+FIXTURE_NEW_TOKENS = 32
+
+
+def parity_runs(cfg: BenchConfig) -> List[str]:
+    runs = cfg.parity_runs.split(",")
+    unknown = [r for r in runs if r not in PARITY_RUNS]
+    if unknown:
+        raise UsageError(f"--parity-runs: unknown {unknown[0]!r}; choose from {', '.join(PARITY_RUNS)}")
+    return runs
+
+
+def report_parts(cfg: BenchConfig) -> List[str]:
+    parts = cfg.report_parts.split(",")
+    unknown = [p for p in parts if p not in ("device", "ceilings", "parity", "shapes", *REPORT_MODELS)]
+    if unknown:
+        raise UsageError(f"--report-parts: unknown {unknown[0]!r}; choose from device, ceilings, parity, shapes, "
+                         + ", ".join(REPORT_MODELS))
+    if "parity" in parts and not (Path(cfg.fixture) / "args.json").is_file():
+        raise UsageError(f"--fixture {cfg.fixture!r} holds no fixture: make one with --make-fixture DIR on a CPU")
+    missing = [r for r in parity_runs(cfg) if not (Path(cfg.fixture) / f"cpu-{PARITY_RUNS[r][0]}").is_dir()]
+    if "parity" in parts and missing:
+        raise UsageError(f"--fixture {cfg.fixture!r} holds no CPU answers for {missing[0]}: make it with that in "
+                         "--parity-runs")
+    return parts
+
+
+def run_part(command: List[str], seconds: float, env: Optional[Dict[str, str]] = None) -> Tuple[str, str]:
+    """(status, stderr) of one part's process, stopped with everything it started once
+    `seconds` have passed; env: more variables."""
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})}, start_new_session=True)
+    try:
+        _, log = proc.communicate(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, log = proc.communicate()
+        return "stopped: out of time", log
+    lines = [line for line in log.splitlines() if line.strip()]
+    return ("ok" if proc.returncode == 0 else f"failed: {lines[-1] if lines else proc.returncode}"), log
+
+
+def gpu_report(cfg: BenchConfig, argv: List[str], say: Callable[[str], None]) -> Dict[str, Any]:
+    """Each of --report-parts in a process of its own, in order, while time is left; then
+    what they wrote."""
+    folder, started, parts = Path(cfg.report_dir), time.perf_counter(), {}
+    folder.mkdir(parents=True, exist_ok=True)
+    for part in report_parts(cfg):
+        left = cfg.report_seconds - (time.perf_counter() - started)
+        if left < 30:
+            parts[part] = {"status": "skipped: out of time", "seconds": 0.0}
+            continue
+        say(f"{part}: at most {left:.0f} s")
+        began = time.perf_counter()
+        shared = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"} if part in REPORT_MODELS else {}  # torch uses the GPU too
+        status, log = run_part([sys.executable, str(Path(__file__).resolve()), *argv, "--report-part", part], left,
+                               shared)
+        (folder / f"{part}.log").write_text(log)
+        parts[part] = {"status": status, "seconds": time.perf_counter() - began}
+        say(f"{part}: {status} ({parts[part]['seconds']:.0f} s)")
+    found = {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("*.json")) if p.stem in parts}
+    return {"parts": parts, **found}
+
+
+def report_part(cfg: BenchConfig, say: Callable[[str], None]) -> None:
+    """One part, in this process, its results written to REPORT_DIR/PART.json as they come."""
+    part, log = cfg.report_part, CompileLog()
+    path = Path(cfg.report_dir) / f"{part}.json"
+    write = lambda result: write_atomic(path, json.dumps(result, indent=1, default=float).encode())
+    if part == "device":
+        write(device_facts())
+    elif part == "ceilings":
+        write(ceilings(cfg, log))
+    elif part == "parity":
+        parity(cfg, write, say)
+    elif part == "shapes":
+        report_shapes(cfg, write, say)
+    else:
+        report_model(cfg, part, write, say, log)
+
+
+def device_facts() -> Dict[str, Any]:
+    """What the machine is: nvidia-smi's name, power limit and clocks, the devices jax sees,
+    the versions measured."""
+    smi = shutil.which("nvidia-smi")
+    query = ["--query-gpu=name,power.limit,clocks.max.sm,memory.total", "--format=csv,noheader"]
+    line = subprocess.run([smi, *query], capture_output=True, text=True).stdout.strip() if smi else ""
+    versions = {"jax": jax.__version__, "transformers": transformers.__version__, "python": sys.version.split()[0],
+                "torch": torch.__version__ if torch else None, "flax": importlib.metadata.version("flax")}
+    return {"nvidia_smi": line, "name": line.split(",")[0].strip() if line else jax.devices()[0].device_kind,
+            "backend": jax.default_backend(), "devices": [d.device_kind for d in jax.devices()], "versions": versions}
+
+
+def ceilings(cfg: BenchConfig, log: CompileLog) -> Dict[str, Any]:
+    """The machine's own limits at --dtype: the best jitted square matmul of --matmul-sizes,
+    and a jitted copy's bytes read and written per second (1 GiB each way on a GPU)."""
+    dtype, sizes = gpt.dtype_of(cfg.dtype), [int(n) for n in cfg.matmul_sizes.split(",")]
+    x_N = jnp.ones(((1 << 30 if jax.default_backend() != "cpu" else 1 << 24) // jnp.dtype(dtype).itemsize,), dtype)
+    copy = jax.jit(lambda x_N: x_N * 2)
+    out = race({**matmul_contenders(sizes, dtype), "copy": lambda: copy(x_N)}, cfg.reps, log)
+    gemm = {n: 2 * n ** 3 / out[f"matmul_{n}"]["best"] for n in sizes}
+    return {"gemm": matmul_peak(out, sizes), "gemm_by_size": gemm,
+            "copy_bytes_per_s": 2 * x_N.nbytes / out["copy"]["best"], "dtype": cfg.dtype}
+
+
+# --- parity: the GPU's answers against this CPU's, on one small checkpoint and data
+
+
+def fixture_data(paragraphs: List[str], folder: Path) -> List[str]:
+    """The four --data files (perplexity, multiple choice, generation, accuracy) over prose;
+    returns evaluate.py's --data arguments."""
+    rng, lines = np.random.default_rng(0), sentences(paragraphs)
+    picked = [lines[i] for i in rng.choice(len(lines), 96, replace=False)]
+    texts = {"ppl": [{"text": " ".join(paragraphs[i:i + 1 + i % 5])} for i in range(0, 48, 2)],
+             "mc": [], "gen": [], "acc": [{"text": p} for p in paragraphs[100:116]]}
+    for i, sentence in enumerate(picked[:32]):
+        words = sentence.split()
+        cut = len(words) // 2
+        endings = [" " + " ".join(s.split()[cut:]) for s in [sentence, *picked[32 + 2 * i % 60:][:3]]]
+        texts["mc"].append({"context": " ".join(words[:cut]), "choices": endings, "gold": 0})
+    for sentence in picked[-16:]:
+        words = sentence.split()
+        texts["gen"].append({"prompt": " ".join(words[:6]), "answer": " ".join(words[6:])})
+    folder.mkdir(parents=True, exist_ok=True)
+    for kind, rows in texts.items():
+        (folder / f"{kind}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return [a for kind in texts for a in ("--data", f"{kind}:data/{kind}.jsonl")]
+
+
+def make_fixture(cfg: BenchConfig, say: Callable[[str], None]) -> Dict[str, Any]:
+    """A small random Llama, a tokenizer trained here, the data, and this CPU's answers in
+    float32 and bfloat16 (evaluate.py's samples), under --make-fixture DIR."""
+    folder = Path(cfg.make_fixture)
+    shutil.rmtree(folder, ignore_errors=True)
+    paragraphs = stdlib_prose()
+    args = fixture_data(paragraphs, folder / "data")
+    small = dataclasses.replace(cfg, **FIXTURE_MODEL)
+    vocab = train_tokenizer(paragraphs, small.vocab, folder / "model")
+    save_llama(small, vocab, transformers.AutoTokenizer.from_pretrained(folder / "model").eos_token_id,
+               folder / "model")
+    (folder / "args.json").write_text(json.dumps(args))
+    for dtype in sorted({PARITY_RUNS[name][0] for name in parity_runs(cfg)}):
+        say(f"this CPU's answers in {dtype}")
+        evaluate_fixture(folder, dtype, None, folder / f"cpu-{dtype}")
+    return {"fixture": str(folder), "vocab": vocab}
+
+
+def evaluate_fixture(fixture: Path, dtype: str, precision: Optional[str], out: Path) -> float:
+    """evaluate.py on the fixture in a process of its own, in `dtype`, with jax's default
+    matmul precision set to `precision` (None: jax's own default); its wall seconds."""
+    args = ["--ckpt", "model", *json.loads((fixture / "args.json").read_text()), "--dtype", dtype,
+            "--max-new-tokens", str(FIXTURE_NEW_TOKENS), "--log-samples", "--quiet", "--no-compile-cache",
+            "--force", "--out", str(out.resolve())]
+    env = {k: v for k, v in os.environ.items() if k != "JAX_DEFAULT_MATMUL_PRECISION"}
+    env.update({"JAX_DEFAULT_MATMUL_PRECISION": precision} if precision else {})
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve().parent / "evaluate.py"), *args],
+                          capture_output=True, text=True, env=env, cwd=fixture)
+    if proc.returncode != 0:
+        raise RuntimeError(f"evaluate.py on the fixture, {dtype}: {proc.stderr[-2000:]}")
+    return time.perf_counter() - started
+
+
+def compare_samples(ours: Path, reference: Path) -> Dict[str, Any]:
+    """Two samples.jsonl files of the same run side by side: the largest relative difference
+    of their log-likelihoods (nll, loglik), and how many generations, choices picked and
+    next-token counts are identical."""
+    pairs = list(zip(*(map(json.loads, f.read_text().splitlines()) for f in (ours, reference))))
+    numbers = [(float(a), float(b)) for x, y in pairs for key in ("nll", "loglik") if key in x
+               for a, b in zip(np.atleast_1d(x[key]), np.atleast_1d(y[key]))]
+    same = lambda key: (sum(x[key] == y[key] for x, y in pairs if key in x), sum(key in x for x, _ in pairs))
+    return {"log_likelihoods": len(numbers), "max_rel": max(abs(a - b) / max(abs(b), 1e-12) for a, b in numbers),
+            "generations": same("output"), "choices": same("pred"), "next_tokens": same("correct")}
+
+
+def parity(cfg: BenchConfig, write: Callable[[Any], None], say: Callable[[str], None]) -> None:
+    """The fixture evaluated here in float32 at the highest matmul precision, in float32 at
+    jax's default one, and in bfloat16; each compared with the CPU's answers in its dtype."""
+    fixture, result = Path(cfg.fixture), {}
+    for name in parity_runs(cfg):
+        dtype, precision = PARITY_RUNS[name]
+        say(f"parity: {name}")
+        out = Path(cfg.report_dir) / f"parity-{name}"
+        seconds = evaluate_fixture(fixture, dtype, precision, out)
+        result[name] = {"seconds": seconds, **compare_samples(out / "samples.jsonl",
+                                                              fixture / f"cpu-{dtype}" / "samples.jsonl")}
+        shutil.rmtree(out, ignore_errors=True)
+        write(result)
+
+
+# --- a model's scoring and decoding, beside transformers on the same device
+
+
+def time_generator_calls(job: inference.InferenceJob, calls: List[Tuple[str, float]]) -> None:
+    """Every jitted decoding call of job (start, advance, refill) timed into `calls` as
+    (name, seconds), waiting for its results: what the device spends apart from the host."""
+    original = job._generator
+
+    def timed(n_new: int, temperature: float, top_p: float) -> Tuple[Callable, ...]:
+        def clock(name: str, fn: Callable) -> Callable:
+            def call(*args):
+                began = time.perf_counter()
+                out = jax.block_until_ready(fn(*args))
+                calls.append((name, time.perf_counter() - began))
+                return out
+            return call
+        return tuple(clock(name, fn) for name, fn in zip(("start", "advance", "refill"),
+                                                         original(n_new, temperature, top_p)))
+    job._generator = timed
+
+
+def harness_decoding(evaluator: evaluate.Evaluator, prompts: List[List[int]], n_new: int, reps: int,
+                     seed: int) -> Dict[str, Any]:
+    """The evaluation's greedy decoding, a warm-up and `reps` timed rounds: the best round's
+    wall seconds, its prefill, its decoding steps and their device time, and the host's
+    time between them (checking stop strings, refills)."""
+    calls: List[Tuple[str, float]] = []
+    time_generator_calls(evaluator, calls)
+    rounds = []
+    for _ in range(reps + 1):
+        calls.clear()
+        evaluator.rollouts_run.clear()
+        began = time.perf_counter()
+        tokens = greedy(evaluator, prompts, n_new, seed)()
+        wall = time.perf_counter() - began
+        device = {name: sum(s for n, s in calls if n == name) for name in ("start", "advance", "refill")}
+        rounds.append({"wall": wall, "prefill": device["start"], "steps_seconds": device["advance"],
+                       "steps": sum(r.steps for r in evaluator.rollouts_run),
+                       "host": wall - sum(device.values()), "tokens": tokens})
+    best = min(rounds[1:], key=lambda r: r["wall"])
+    return {**best, "first": rounds[0]["wall"], "per_step": best["steps_seconds"] / best["steps"]}
+
+
+def kv_bytes_per_token(model: gpt.GPT) -> int:
+    return 2 * model.n_layers * model.kv_heads * model.head_width * jnp.dtype(model.adtype).itemsize
+
+
+def report_decoding(cfg: BenchConfig, rows: int, model: gpt.GPT, variables: Any, mesh: Any, hf: Any,
+                    log: CompileLog) -> Dict[str, Any]:
+    """Greedy decoding of `rows` random prompts of --prompt tokens, --new-tokens each: the
+    evaluation's (harness_decoding), gpt.generate in one jitted call, transformers' generate,
+    and the step's matmuls alone; per step, against the bytes a step must read (the
+    parameters and the live KV cache, on average over the steps)."""
+    rng = np.random.default_rng(cfg.seed + rows)
+    prompts_BP = rng.integers(0, cfg.vocab - 1, (rows, cfg.prompt), dtype=np.int32)
+    evaluator = evaluator_for(model, variables, IdTokenizer(cfg.vocab), mesh, [], rows)
+    harness = harness_decoding(evaluator, prompts_BP.tolist(), cfg.new_tokens, cfg.reps, cfg.seed)
+    simple = jax.jit(lambda v, p_BP, m_BP: gpt.generate(model, v, p_BP, m_BP, cfg.new_tokens))
+    p_BP, m_BP = jnp.asarray(prompts_BP), jnp.ones(prompts_BP.shape, bool)
+    contenders = {"simple": lambda: simple(variables, p_BP, m_BP), **decode_floors(variables, rows, cfg.seed)}
+    if hf is not None:
+        contenders.update(transformers=lambda: hf_generate(hf, prompts_BP, cfg.new_tokens),
+                          transformers_prefill=lambda: hf_generate(hf, prompts_BP, 1))
+    out = race(contenders, cfg.reps, log)
+    ours, simple_tokens = harness.pop("tokens"), np.asarray(out["simple"].pop("out"))
+    live = cfg.prompt + (cfg.new_tokens - 1) / 2  # cache slots a step reads, on average
+    result = {"rows": rows, "harness": harness, "simple_per_step": (out["simple"]["best"] - harness["prefill"])
+              / (cfg.new_tokens - 1), "simple_same_tokens": bool(np.array_equal(ours, simple_tokens)),
+              "step_matmuls": out["step_matmuls"]["best"] / FLOOR_STEPS, "read_params": memory_floor(out),
+              "step_bytes": nbytes(variables) + rows * live * kv_bytes_per_token(model)}
+    if hf is not None:
+        theirs = out["transformers"].pop("out")
+        result.update(transformers_per_step=(out["transformers"]["best"] - out["transformers_prefill"]["best"])
+                      / (cfg.new_tokens - 1), transformers_prefill=out["transformers_prefill"]["best"],
+                      same_as_transformers=float((ours == theirs).all(-1).mean()))
+    return result
+
+
+def transformers_static(cfg: BenchConfig, hf: Any, rows: int) -> Dict[str, Any]:
+    """transformers' generate with its static cache, which it compiles with torch.compile on
+    a GPU: seconds per step less the prefill, after a warm-up that compiles."""
+    prompts_BP = np.random.default_rng(cfg.seed + rows).integers(0, cfg.vocab - 1, (rows, cfg.prompt), dtype=np.int32)
+    hf.generation_config.cache_implementation = "static"
+    try:
+        began = time.perf_counter()
+        hf_generate(hf, prompts_BP, cfg.new_tokens)
+        first = time.perf_counter() - began
+        times = {n: min(timed_call(lambda: hf_generate(hf, prompts_BP, n)) for _ in range(cfg.reps))
+                 for n in (1, cfg.new_tokens)}
+    finally:
+        hf.generation_config.cache_implementation = None
+    return {"rows": rows, "first": first, "per_step": (times[cfg.new_tokens] - times[1]) / (cfg.new_tokens - 1)}
+
+
+def timed_call(fn: Callable[[], Any]) -> float:
+    began = time.perf_counter()
+    fn()
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - began
+
+
+def report_model(cfg: BenchConfig, name: str, write: Callable[[Any], None], say: Callable[[str], None],
+                 log: CompileLog) -> None:
+    """One model of REPORT_MODELS in --dtype, loaded by this project and by transformers on
+    --device from one HuggingFace directory: scoring --batch x --seq tokens (bench_scoring,
+    with this project's plain jitted forward beside), then decoding at each of
+    --decode-batches, then transformers' compiled static cache at the middle one."""
+    c = dataclasses.replace(cfg, **REPORT_MODELS[name])
+    with tempfile.TemporaryDirectory(prefix="bench-report-") as path:
+        say(f"{name}: making and loading the random model")
+        save_hf_model(c, path)
+        model, variables, mesh, hf = load_models(c, path)
+    result = {"name": name, "shape": REPORT_MODELS[name], "params": gpt.count_params(variables),
+              "param_bytes": nbytes(variables), "dtype": c.dtype, "seq": c.seq, "batch": c.batch,
+              "prompt": c.prompt, "new_tokens": c.new_tokens, "decoding": []}
+    say(f"{name}: scoring {c.batch} x {c.seq}")
+    forward = jax.jit(lambda v, x_BT, y_BT: -gpt.token_nll(model.apply(v, x_BT)[0], y_BT).sum(-1))
+    result["scoring"] = strip_outputs(bench_scoring(c, model, variables, mesh, hf, log, {"forward": forward}))
+    write(result)
+    batches = [int(b) for b in c.decode_batches.split(",")]
+    for rows in batches:
+        say(f"{name}: decoding {rows} rows")
+        result["decoding"].append(report_decoding(c, rows, model, variables, mesh, hf, log))
+        write(result)
+    if hf is not None and c.device == "cuda":
+        rows = batches[len(batches) // 2]
+        say(f"{name}: transformers' static cache, compiled, {rows} rows")
+        result["transformers_static"] = transformers_static(c, hf, rows)
+        write(result)
+
+
+def strip_outputs(x: Any) -> Any:
+    """A result without the arrays race() keeps (JSON holds the numbers)."""
+    if isinstance(x, dict):
+        return {k: strip_outputs(v) for k, v in x.items() if k != "out"}
+    return x
+
+
+def report_shapes(cfg: BenchConfig, write: Callable[[Any], None], say: Callable[[str], None]) -> None:
+    """The --shapes workloads on the Llama of --layers, --width, ... in --dtype, lm-eval's
+    HF model on --device beside this project's command line, each written as it ends."""
+    workdir = Path(tempfile.mkdtemp(prefix="bench-report-shapes-"))
+    built, result = build_shapes(cfg, workdir, say), {"workloads": {}}
+    result["built"] = built
+    for name in cfg.workloads.split(","):
+        say(f"shapes: {name}")
+        try:
+            result["workloads"][name] = shape_workload(cfg, built, name, workdir / "runs" / name, say)
+        except Exception as e:  # the next workload still runs
+            result["workloads"][name] = {"error": f"{type(e).__name__}: {str(e)[-500:]}"}
+        write(result)
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+def gpu_report_table(cfg: BenchConfig, r: Dict[str, Any]) -> str:
+    g = r["gpu_report"]
+    device, ceiling = g.get("device"), g.get("ceilings")
+    nominal = NOMINAL.get(device["name"]) if device else None
+    peak = nominal[0] if nominal and cfg.dtype == "bfloat16" else ceiling and ceiling["gemm"]["flops_per_s"]
+    memory = nominal[1] if nominal else ceiling and ceiling["copy_bytes_per_s"]
+    lines = []
+    if device:
+        lines.append(f"device: {device['nvidia_smi'] or device['name']} (jax backend {device['backend']}, "
+                     f"{len(device['devices'])} device(s)); " + ", ".join(f"{k} {v}" for k, v in device["versions"].items()))
+        lines.append(f"nominal: {nominal[0] / 1e12:.0f} TFLOP/s dense bf16, {nominal[1] / 1e12:.1f} TB/s" if nominal
+                     else "nominal: none known for this device; fractions below are of the measured ceilings")
+    if ceiling:
+        lines.append(f"measured: GEMM {ceiling['gemm']['flops_per_s'] / 1e12:.1f} TFLOP/s {ceiling['dtype']} "
+                     f"({ceiling['gemm']['size']}^3 jitted; " + ", ".join(
+                         f"{n}: {f / 1e12:.1f}" for n, f in ceiling["gemm_by_size"].items())
+                     + f"), copy {ceiling['copy_bytes_per_s'] / 1e12:.2f} TB/s (read + written)")
+    if "parity" in g:
+        lines += ["", f"answers here against the CPU's (the fixture: {len(g['parity'])} runs of evaluate.py, "
+                  "4 kinds of --data)"]
+        for name, p in g["parity"].items():
+            lines.append(f"  {name:16s} {p['log_likelihoods']} log-likelihoods within {p['max_rel']:.1e} relative; "
+                         f"identical: generations {p['generations'][0]}/{p['generations'][1]}, choices "
+                         f"{p['choices'][0]}/{p['choices'][1]}, next-token counts {p['next_tokens'][0]}/"
+                         f"{p['next_tokens'][1]}  ({p['seconds']:.0f} s)")
+    for name in REPORT_MODELS:
+        if name in g:
+            lines += ["", *model_report_table(g[name], peak, ceiling, memory)]
+    if "shapes" in g:
+        lines += ["", *shapes_report_table(cfg, g["shapes"])]
+    lines += ["", "parts: " + ", ".join(f"{p} {x['status']} ({x['seconds']:.0f} s)" for p, x in g["parts"].items()),
+              f"bench ran {r['seconds']:.0f} s"]
+    return "\n".join(lines)
+
+
+def model_report_table(m: Dict[str, Any], peak: float, ceiling: Optional[Dict[str, Any]], memory: float) -> List[str]:
+    s, shape = m.get("scoring"), m["shape"]
+    lines = [f"{m['name']}: {shape['family']}, {shape['layers']} layers, {shape['width']} wide, {shape['heads']} heads "
+             f"({shape['kv_heads']} kv), MLP {shape['mlp_hidden']}, vocab {shape['vocab']}, "
+             f"{m['params'] / 1e6:.0f}M parameters, {m['dtype']} ({m['param_bytes'] / 1e9:.2f} GB), random weights"]
+    if s:
+        gemm = ceiling["gemm"]["flops_per_s"] if ceiling else s["peak"]["flops_per_s"]
+        peak = peak or gemm
+        lines += [f"  scoring {m['batch']} x {m['seq']} tokens ({s['flops'] / 1e12:.2f} TFLOP forward), best of the rounds:",
+                  f"    {'':36s} {'s':>7s} {'TFLOP/s':>8s} {'of peak':>8s} {'of GEMM':>8s} {'vs hf':>6s}"]
+        names = {"project": "the evaluation (PerplexityEvaluation)", "forward": "its jitted forward alone",
+                 "transformers": "transformers (sdpa)"}
+        for key, label in names.items():
+            x = s[key]
+            lines.append(f"    {label:36s} {x['best']:7.4f} {x['flops_per_s'] / 1e12:8.1f} {x['flops_per_s'] / peak:8.1%} "
+                         f"{x['flops_per_s'] / gemm:8.1%} {s['transformers']['best'] / x['best']:6.2f}")
+        lines.append(f"    summed log-likelihoods within {max(s['project']['rel_diff'], s['forward']['rel_diff']):.1e} "
+                     "of transformers'")
+    if m["decoding"]:
+        lines += [f"  greedy decoding, {m['prompt']}-token prompts, {m['new_tokens']} new tokens; ms per step "
+                  "(less the prefill):",
+                  f"    {'rows':>4s} {'ours':>7s} {'host':>6s} {'simple':>7s} {'hf':>7s} {'matmuls':>8s} {'bound':>7s} "
+                  f"{'of bound':>8s} {'vs hf':>6s}  same tokens as hf"]
+        for d in m["decoding"]:
+            h, bound = d["harness"], d["step_bytes"] / (memory or d["step_bytes"] / d["read_params"])
+            hf = d.get("transformers_per_step", float("nan"))
+            lines.append(f"    {d['rows']:4d} {h['per_step'] * 1e3:7.3f} {h['host'] / h['steps'] * 1e3:6.3f} "
+                         f"{d['simple_per_step'] * 1e3:7.3f} {hf * 1e3:7.3f} {d['step_matmuls'] * 1e3:8.3f} "
+                         f"{bound * 1e3:7.3f} {bound / h['per_step']:8.1%} {hf / h['per_step']:6.2f}  "
+                         f"{d.get('same_as_transformers', float('nan')):.0%}")
+        lines += ["    ours: the evaluation's decoding steps (device time of its segments, per step); host: its "
+                  "time between them, per step; simple: gpt.generate in one jitted call",
+                  "    bound: the parameters and the live KV cache read once at the nominal bandwidth "
+                  "(else the measured copy's)"]
+    if "transformers_static" in m:
+        t = m["transformers_static"]
+        lines.append(f"  transformers, static cache compiled, {t['rows']} rows: {t['per_step'] * 1e3:.3f} ms per step "
+                     f"(first call {t['first']:.0f} s)")
+    return lines
+
+
+def shapes_report_table(cfg: BenchConfig, s: Dict[str, Any]) -> List[str]:
+    b = s["built"]
+    lines = [f"benchmark shapes (--shapes' tasks): llama, {cfg.layers} layers, {cfg.width} wide, {cfg.heads} heads "
+             f"({cfg.kv_heads or cfg.heads} kv), {b['params'] / 1e6:.0f}M parameters, vocab {b['vocab']}, "
+             f"{cfg.dtype}; lm-eval's HF model on {cfg.device}; whole processes, batch {cfg.batch}",
+             f"  {'workload':10s} {'lm-eval s':>9s} {'ours s':>7s} {'ratio':>6s} {'2nd s':>6s} {'ratio':>6s}  agreement"]
+    for name, w in s["workloads"].items():
+        if "error" in w:
+            lines.append(f"  {name:10s} {w['error']}")
+            continue
+        lines.append(f"  {name:10s} {w['hf_seconds']:9.1f} {w['our_seconds']:7.1f} {w['hf_seconds'] / w['our_seconds']:5.2f}x "
+                     f"{w['second_seconds']:6.1f} {w['hf_seconds'] / w['second_seconds']:5.2f}x  log-likelihoods within "
+                     f"{w['max_rel']:.1e}, {w['identical']}/{w['compared']} answers identical, scores within "
+                     f"{w['scores_rel']:.1e}")
+    return lines
 
 
 # ----------------------------------------------------------------------------- loading
@@ -1300,8 +1787,8 @@ def measured_on() -> str:
 
 def bench(argv: List[str]) -> None:
     cfg = parse_options(BenchConfig, argv)
-    if cfg.family not in ("gpt2", "qwen2"):
-        raise UsageError(f"--family must be gpt2 or qwen2, got {cfg.family!r}")
+    if cfg.family not in ("gpt2", "qwen2", "llama"):
+        raise UsageError(f"--family must be gpt2, qwen2 or llama, got {cfg.family!r}")
     if cfg.dtype not in gpt.DTYPES:
         raise UsageError(f"--dtype: unknown dtype {cfg.dtype!r}; choose one of {', '.join(gpt.DTYPES)}")
     started = time.perf_counter()
@@ -1310,6 +1797,8 @@ def bench(argv: List[str]) -> None:
     log = CompileLog()
     results: Dict[str, Any] = {"config": dataclasses.asdict(cfg), "load": [os.getloadavg()[0]],
                                "measured_on": measured_on()}
+    if cfg.report_part:
+        return report_part(cfg, say)
     if cfg.limits:
         say(f"limits: scoring, batch-1 decoding, matmul peak and memory read: warm-up + {cfg.reps} rounds")
         results["limits"] = bench_limits(cfg, log)
@@ -1317,6 +1806,10 @@ def bench(argv: List[str]) -> None:
         results["shapes"] = bench_shapes(cfg, say)
     elif cfg.load:
         results["loading"] = bench_load(cfg, say)
+    elif cfg.make_fixture:
+        results["fixture"] = make_fixture(cfg, say)
+    elif cfg.gpu_report:
+        results["gpu_report"] = gpu_report(cfg, argv, say)
     else:
         results.update(against_transformers(cfg, log, say))
     results["seconds"] = time.perf_counter() - started
@@ -1324,7 +1817,9 @@ def bench(argv: List[str]) -> None:
     if cfg.json:
         print(json.dumps(results, indent=2))
     else:
-        report = limits_table if cfg.limits else shapes_table if cfg.shapes else load_table if cfg.load else table
+        report = limits_table if cfg.limits else shapes_table if cfg.shapes else load_table if cfg.load else \
+            gpu_report_table if cfg.gpu_report else (lambda cfg, r: json.dumps(r["fixture"])) if cfg.make_fixture \
+            else table
         print(f"measured on {results['measured_on']}\n{report(cfg, results)}")
 
 

@@ -60,6 +60,7 @@ from safetensors.numpy import load_file, save_file
 
 jax.config.update("jax_numpy_rank_promotion", "raise")  # broadcasting must be explicit
 
+import bench as bench_module
 import evaluate
 import gpt
 import hf
@@ -3520,6 +3521,41 @@ def test_bench_load_mode(ckpt):
     assert load["read"] == load["placed"] == 4 * params < x["file_bytes"]  # float32; the file adds its header
     assert load["peak_rss"] > load["rss_before"] and load["seconds"] > 0 and cat_seconds > 0
     assert x["evaluate"]["peak_rss"] > load["rss_before"] and x["evaluate"]["seconds"] > 0
+
+
+@needs_lm_eval
+def test_bench_gpu_report_dry_run(tmp_path):
+    """--gpu-report, the accelerator's prepared run, here with tiny shapes: every part ends
+    well and writes its JSON; the fixture's answers computed again on the same machine are
+    the CPU's own, bit for bit; the model part's scorers agree with transformers and its
+    greedy tokens with gpt.generate; the shapes part agrees with lm-eval's HF model."""
+    fixture = tmp_path / "fixture"
+    assert bench("--make-fixture", fixture, "--parity-runs", "float32")["fixture"]["vocab"] > 256
+    r = bench("--gpu-report", "--report-parts", "device,ceilings,parity,tiny,shapes", "--fixture", fixture,
+              "--parity-runs", "float32", "--decode-batches", "2", "--report-dir", tmp_path / "report",
+              "--workloads", "mmlu", "--mmlu-questions", "2", "--vocab", "2000", "--mlp-hidden", "128",
+              "--kv-heads", "2", "--context", "2048", "--init-std", "0.1")["gpu_report"]
+    assert [(p, x["status"]) for p, x in r["parts"].items()] == [
+        (p, "ok") for p in ("device", "ceilings", "parity", "tiny", "shapes")]
+    assert r["device"]["backend"] == "cpu" and r["ceilings"]["gemm"]["flops_per_s"] > 0
+    p = r["parity"]["float32"]
+    assert p["max_rel"] == 0 and p["log_likelihoods"] == 24 + 4 * 32
+    assert p["generations"] == [16, 16] and p["choices"] == [32, 32] and p["next_tokens"] == [16, 16]
+    m = r["tiny"]
+    assert m["scoring"]["project"]["rel_diff"] < 1e-4 and m["scoring"]["forward"]["rel_diff"] < 1e-4
+    [d] = m["decoding"]
+    assert d["rows"] == 2 and d["simple_same_tokens"] and d["same_as_transformers"] == 1.0
+    assert d["harness"]["steps"] >= 8 and d["step_bytes"] > m["param_bytes"]
+    w = r["shapes"]["workloads"]["mmlu"]
+    assert w["identical"] == w["compared"] and w["max_rel"] < 1e-4
+
+
+def test_a_gpu_report_part_out_of_time_is_stopped_with_what_it_started():
+    """A part (and every process it started) is killed once its time is up, and reported so."""
+    started = time.perf_counter()
+    status, _ = bench_module.run_part([sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen("
+                                       "[sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"], 2)
+    assert status == "stopped: out of time" and time.perf_counter() - started < 20
 
 
 COUNT_COMPILES = r"""
