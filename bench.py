@@ -1179,8 +1179,14 @@ def ceilings(cfg: BenchConfig, log: CompileLog) -> Dict[str, Any]:
     copy = jax.jit(lambda x_N: x_N * 2)
     out = race({**matmul_contenders(sizes, dtype), "copy": lambda: copy(x_N)}, cfg.reps, log)
     gemm = {n: 2 * n ** 3 / out[f"matmul_{n}"]["best"] for n in sizes}
-    return {"gemm": matmul_peak(out, sizes), "gemm_by_size": gemm,
-            "copy_bytes_per_s": 2 * x_N.nbytes / out["copy"]["best"], "dtype": cfg.dtype}
+    result = {"gemm": matmul_peak(out, sizes), "gemm_by_size": gemm,
+              "copy_bytes_per_s": 2 * x_N.nbytes / out["copy"]["best"], "dtype": cfg.dtype}
+    if torch is not None and torch.cuda.is_available():  # torch's copy and sum beside XLA's, on as many bytes
+        a, b = (torch.ones(x_N.size, dtype=getattr(torch, cfg.dtype), device="cuda") for _ in range(2))
+        copy_s = min(timed_call(lambda: b.copy_(a)) for _ in range(cfg.reps + 1))
+        sum_s = min(timed_call(lambda: a.sum(dtype=torch.float32)) for _ in range(cfg.reps + 1))
+        result.update(torch_copy_bytes_per_s=2 * x_N.nbytes / copy_s, torch_read_bytes_per_s=x_N.nbytes / sum_s)
+    return result
 
 
 # --- parity: the GPU's answers against this CPU's, on one small checkpoint and data
@@ -1439,7 +1445,10 @@ def gpu_report_table(cfg: BenchConfig, r: Dict[str, Any]) -> str:
         lines.append(f"measured: GEMM {ceiling['gemm']['flops_per_s'] / 1e12:.1f} TFLOP/s {ceiling['dtype']} "
                      f"({ceiling['gemm']['size']}^3 jitted; " + ", ".join(
                          f"{n}: {f / 1e12:.1f}" for n, f in ceiling["gemm_by_size"].items())
-                     + f"), copy {ceiling['copy_bytes_per_s'] / 1e12:.2f} TB/s (read + written)")
+                     + f"), copy {ceiling['copy_bytes_per_s'] / 1e12:.2f} TB/s (read + written)"
+                     + (f"; torch: copy {ceiling['torch_copy_bytes_per_s'] / 1e12:.2f} TB/s, a sum reads "
+                        f"{ceiling['torch_read_bytes_per_s'] / 1e12:.2f} TB/s" if "torch_copy_bytes_per_s" in ceiling
+                        else ""))
     if "parity" in g:
         lines += ["", f"answers here against the CPU's (the fixture: {len(g['parity'])} runs of evaluate.py, "
                   "4 kinds of --data)"]
