@@ -8,6 +8,9 @@
     python bench.py --shapes --layers 30 --width 576 --heads 9 --kv-heads 3 --mlp-hidden 1536 \
         --context 2048 --batch 16 --init-std 0.1   # the tasks people report, beside lm-eval (15-25 min)
     python bench.py --load DIR --dtype bfloat16   # loading a checkpoint: time and peak memory against `cat`
+    python bench.py --make-fixture F   # on a CPU: a small model, data and this CPU's answers, for:
+    python bench.py --gpu-report --device cuda --dtype bfloat16 --fixture F ...   # every GPU measurement,
+        # one prepared run (docs/speed.md has the whole command)
 
 What it does, in order:
 1. Compilation: the built-in suite (the 4 built-in evaluations) on the default tiny GPT,
@@ -39,6 +42,8 @@ model, whole processes side by side, with the work each computed and a check tha
 answers agree. Our side runs twice: first with an empty persistent compilation cache, then
 the same command again, which loads its programs from the cache; the table counts the
 programs each run compiled.
+With --gpu-report, the parts of --report-parts run, each in a process of its own (see
+gpu_report); with --make-fixture DIR, only make_fixture.
 With --load DIR, only bench_load runs: the checkpoint DIR (HuggingFace or native) loaded
 onto the mesh of every device in a fresh process, its time and peak host memory, beside
 reading its weight files once with `cat > /dev/null`; then evaluate.py's peak memory on it.

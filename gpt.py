@@ -718,6 +718,16 @@ class KVCache(NamedTuple):
         return self.prefix_keys[0].shape[1] if self.prefix_keys else 0
 
 
+def float32_in_full(method: Any) -> Any:
+    """A GPT method whose matmuls, with float32 activations, run at full float32 precision:
+    jax's default on a GPU is TF32 (about 1e-3 relative), where torch's float32 is float32."""
+    @functools.wraps(method)
+    def run(self: "GPT", *args: Any, **kwargs: Any) -> Any:
+        with jax.default_matmul_precision("highest" if jnp.dtype(self.adtype) == jnp.float32 else None):
+            return method(self, *args, **kwargs)
+    return run
+
+
 class GPT(Module):
     """Decoder-only transformer. Defaults: a tiny byte-level GPT that runs on a laptop CPU."""
 
@@ -850,6 +860,7 @@ class GPT(Module):
             x_BTD = x_BTD + self.wpe(positions_for(idx_BT, positions)).astype(self.adtype)
         return self.drop(x_BTD, deterministic=deterministic)
 
+    @float32_in_full
     def decode(self, x: jax.Array, padding_mask: Optional[jax.Array] = None, deterministic: bool = False,
                positions: Optional[jax.Array] = None, cache: Optional[KVCache] = None,
                allowed: Optional[jax.Array] = None, fresh: bool = False, **kwargs: Any):
@@ -939,6 +950,7 @@ class GPT(Module):
         self.sow("intermediates", "residual_update", value,
                  init_fn=lambda: [None] * self.n_layers, reduce_fn=lambda acc, v: _put(acc, depth, v))
 
+    @float32_in_full
     def unembed(self, x: jax.Array) -> jax.Array:
         """Logits [..., V] of hidden states x [..., D], in float32 (tied: the token embedding's transpose)."""
         if self.tie_embeddings:

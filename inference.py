@@ -409,21 +409,8 @@ def steps_to_end(ids: List[int], eos: Optional[int], until: Sequence[str], decod
 
 
 SORT_WINDOW = 8  # blocks' worth of requests sorted by length at a time
-# When scoring, a share's scored positions are unembedded a piece at a time, the float32
-# logits of a piece at most so many bytes. On a CPU small pieces: the loop skips padding in
-# these steps. On a GPU or TPU large ones: each piece is one matmul large enough to run at
-# the device's matmul rate (pieces of 128 positions fell well short of it on an H200).
-UNEMBED_PIECE, LOGITS_BYTES = 128, 1 << 28
-ACCELERATOR_PIECE, ACCELERATOR_LOGITS_BYTES = 1024, 1 << 30
-
-
-def unembed_piece() -> Tuple[int, int]:
-    """(scored positions, float32 logits bytes) unembedded at a time, on this backend."""
-    if jax.default_backend() == "cpu":
-        return UNEMBED_PIECE, LOGITS_BYTES
-    return ACCELERATOR_PIECE, ACCELERATOR_LOGITS_BYTES
-
-
+LOGITS_BYTES = 1 << 28  # float32 logits unembedded at a time when scoring (256 MB)
+UNEMBED_PIECE = 128  # scored positions per share unembedded at a time: the loop skips padding in these steps
 PROGRESS_SECONDS = 5.0  # between two progress lines when stderr is not a terminal
 
 
@@ -696,7 +683,7 @@ class InferenceJob:
         and probabilities of `queries` queries per row at once (0: a fused kernel, cuDNN),
         against the memory available."""
         m = self.model
-        logits = 2 * min(rows * scored * m.vocab_size * 4, unembed_piece()[1])
+        logits = 2 * min(rows * scored * m.vocab_size * 4, LOGITS_BYTES)
         kv = rows * length * m.n_layers * 2 * m.kv_heads * m.head_width * np.dtype(m.pdtype).itemsize
         scores = 2 * rows * m.n_head * queries * length * 4
         needed, free = logits + kv + scores, gpt.available_memory()
@@ -726,16 +713,15 @@ class InferenceJob:
                      real: jax.Array) -> Tuple[jax.Array, jax.Array]:
         """(log-probability of each target [G, M], whether it is the argmax [G, M]) given the
         hidden states that predict them, of which the first `real` (at most) of each row G
-        are asked for: unembedded a piece at a time (unembed_piece) in a loop that stops
-        after the last real one, so the float32 logits [G, M, V] never exist whole (a 151,936-token
+        are asked for: unembedded UNEMBED_PIECE at a time in a loop that stops after the last
+        real one, so the float32 logits [G, M, V] never exist whole (a 151,936-token
         vocabulary at 16 x 1024 would be 10 GB) and padding costs nothing. A multiple choice
         block pads each row's scored slots to its longest row's power of two, about half of
         them in hellaswag's rows (16 rows of 128 tokens, 65 of 128 slots a row real,
         vocabulary 19,254: 2.06 s a block unembedding them all, 1.82 s so, on 2 cores)."""
         G, M, D = x_GMD.shape
-        most, budget = unembed_piece()
-        P = min(most, M & -M)  # positions per piece: a power of two dividing M
-        while 4 * G * P * self.model.vocab_size > budget and P % 2 == 0:
+        P = min(UNEMBED_PIECE, M & -M)  # positions per piece: a power of two dividing M
+        while 4 * G * P * self.model.vocab_size > LOGITS_BYTES and P % 2 == 0:
             P //= 2
 
         def piece(i, scores):
