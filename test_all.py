@@ -465,6 +465,22 @@ def assert_tensor_parallel(params, shard, tied):
         assert array.addressable_shards[0].data.shape[split] * shard == array.shape[split], path
 
 
+def test_float32_models_multiply_at_full_precision():
+    """Every matmul of a float32 model, scoring and decoding, asks for the highest precision
+    (jax's default on a GPU is TF32); a bfloat16 model's keep jax's default."""
+    idx = jnp.zeros((1, 8), jnp.int32)
+    for dtype, expected in (("float32", "HIGHEST"), ("bfloat16", "DEFAULT")):
+        model = gpt.GPT(**gpt.FAMILIES["llama"], n_layers=1, n_embd=32, n_head=2, n_kv_head=1, vocab_size=64,
+                        block_size=16, param_dtype=dtype, activation_dtype=dtype)
+        v = init(model)
+        score = jax.jit(lambda v, x: model.apply(v, x)[0]).lower(v, idx).as_text()
+        step = jax.jit(lambda v, x: model.apply(v, x, jnp.ones((1, 8), bool), model.init_cache(1, 9),
+                                                 method=gpt.GPT.extend)[0]).lower(v, idx).as_text()
+        for text in (score, step):
+            precisions = re.findall(r"dot_general.*?precision = \[(\w+), (\w+)\]", text)
+            assert len(precisions) >= 8 and {p for pair in precisions for p in pair} == {expected}, precisions
+
+
 def test_init_params_same_values_on_every_mesh():
     """A seed means one model: initializing straight into shardings does not depend on the mesh."""
     model = tiny(rope=True, n_layers=1)
