@@ -3544,15 +3544,14 @@ def test_bench_gpu_report_dry_run(tmp_path):
     """--gpu-report, the accelerator's prepared run, here with tiny shapes: every part ends
     well and writes its JSON; the fixture's answers computed again on the same machine are
     the CPU's own, bit for bit; the model part's scorers agree with transformers and its
-    greedy tokens with gpt.generate; the shapes part agrees with lm-eval's HF model."""
+    greedy tokens with gpt.generate. (The shapes part runs --shapes' own workload function,
+    tested above.)"""
     fixture = tmp_path / "fixture"
     assert bench("--make-fixture", fixture, "--parity-runs", "float32")["fixture"]["vocab"] > 256
-    r = bench("--gpu-report", "--report-parts", "device,ceilings,parity,tiny,shapes", "--fixture", fixture,
-              "--parity-runs", "float32", "--decode-batches", "2", "--report-dir", tmp_path / "report",
-              "--workloads", "mmlu", "--mmlu-questions", "2", "--vocab", "2000", "--mlp-hidden", "128",
-              "--kv-heads", "2", "--context", "2048", "--init-std", "0.1")["gpu_report"]
+    r = bench("--gpu-report", "--report-parts", "device,ceilings,parity,tiny", "--fixture", fixture,
+              "--parity-runs", "float32", "--decode-batches", "2", "--report-dir", tmp_path / "report")["gpu_report"]
     assert [(p, x["status"]) for p, x in r["parts"].items()] == [
-        (p, "ok") for p in ("device", "ceilings", "parity", "tiny", "shapes")]
+        (p, "ok") for p in ("device", "ceilings", "parity", "tiny")]
     assert r["device"]["backend"] == "cpu" and r["ceilings"]["gemm"]["flops_per_s"] > 0
     p = r["parity"]["float32"]
     assert p["max_rel"] == 0 and p["log_likelihoods"] == 24 + 4 * 32
@@ -3562,8 +3561,6 @@ def test_bench_gpu_report_dry_run(tmp_path):
     [d] = m["decoding"]
     assert d["rows"] == 2 and d["simple_same_tokens"] and d["same_as_transformers"] == 1.0
     assert d["harness"]["steps"] >= 8 and d["step_bytes"] > m["param_bytes"]
-    w = r["shapes"]["workloads"]["mmlu"]
-    assert w["identical"] == w["compared"] and w["max_rel"] < 1e-4
 
 
 def test_a_gpu_report_part_out_of_time_is_stopped_with_what_it_started():
