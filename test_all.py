@@ -3539,7 +3539,7 @@ def test_bench_load_mode(ckpt):
     assert x["evaluate"]["peak_rss"] > load["rss_before"] and x["evaluate"]["seconds"] > 0
 
 
-@needs_lm_eval
+@needs_torch
 def test_bench_gpu_report_dry_run(tmp_path):
     """--gpu-report, the accelerator's prepared run, here with tiny shapes: every part ends
     well and writes its JSON; the fixture's answers computed again on the same machine are
