@@ -4461,6 +4461,83 @@ def test_a_hub_id_scores_as_its_snapshot_and_records_its_commit(hf_gpt2, tmp_pat
     assert_usage_error(moved, "holds another run", "model.commit: 'aaaa")
 
 
+@pytest.fixture(scope="module")
+def hostile_cache(hf_gpt2, tmp_path_factory):
+    """A HuggingFace cache beside a model folder outside it (x/outside_model) and a file naming
+    that folder (x/outside_ref), as the hostile sweep laid them out: org/tiny's refs hold a
+    commit (main), the outside path (evil), a path climbing out of snapshots/ (climb); its
+    snapshot TAGGED is a link to the outside folder (linked); org/evil's main names the
+    outside folder too."""
+    tmp = tmp_path_factory.mktemp("hostile")
+    outside = tmp / "x" / "outside_model"
+    shutil.copytree(hf_gpt2, outside)
+    (tmp / "x" / "outside_ref").write_text(str(outside))
+    root = hub_cache(tmp / "cache", "org/tiny", {MAIN: hf_gpt2},
+                     {"main": MAIN, "evil": str(outside), "climb": "../../../x/outside_model", "linked": TAGGED})
+    (root / "snapshots" / TAGGED).symlink_to(outside)
+    hub_cache(tmp / "cache", "org/evil", {}, {"main": str(outside)})
+    return tmp
+
+
+def climbing_revision(tmp):
+    """A revision that walks from the cache's refs/ up to x/outside_ref (the sweep's case)."""
+    return "../" * 12 + str(tmp / "x" / "outside_ref").lstrip("/")
+
+
+def assert_inside_snapshots(node, tmp):
+    """A resolved hub id is a folder snapshots/COMMIT of its model's cache folder, links followed."""
+    snapshots = (tmp / "cache" / "models--org--tiny" / "snapshots").resolve()
+    assert Path(node.path).resolve().parent == snapshots and re.fullmatch("[0-9a-f]{40}", node.hub["commit"])
+    assert Path(node.path).resolve().name == node.hub["commit"]
+
+
+def test_a_hub_revision_never_leads_out_of_the_cache(hostile_cache, monkeypatch):
+    """A revision holding '..' (the sweep's, which reached a file naming a model outside the
+    cache), a ref whose content is a path out of the cache, a snapshot that links elsewhere:
+    each refused in one line, and through the command line nothing is evaluated (exit 2)."""
+    tmp = hostile_cache
+    monkeypatch.setattr(hf.hub_constants, "HF_HUB_CACHE", str(tmp / "cache"))
+    refused = {f"org/tiny@{climbing_revision(tmp)}": "is not a branch, a tag or a commit",
+               "org/tiny@..": "is not a branch, a tag or a commit", "org/tiny@refs/../main": "is not a branch",
+               "org/tiny@/main": "is not a branch", "org/tiny@caf\u00e9": "is not a branch",
+               "org/tiny@evil": "not a snapshot folder", "org/tiny@climb": "not a snapshot folder",
+               "org/tiny@linked": "not a snapshot folder", f"org/tiny@{TAGGED}": "not a snapshot folder",
+               "org/evil": "not a snapshot folder"}
+    for text, needle in refused.items():
+        with pytest.raises(UsageError, match=re.escape(needle)):
+            hf.resolve_checkpoint(text)
+    assert_inside_snapshots(hf.resolve_checkpoint("org/tiny@main"), tmp)
+    data = write_jsonl(tmp / "p.jsonl", [{"text": "the cat sees the dog."}])
+    outcomes = cli_many(*(["--ckpt", text, "--data", f"ppl:{data}", "--out", tmp / "o"]
+                          for text in [f"org/tiny@{climbing_revision(tmp)}", "org/evil"]),
+                        env={"HF_HUB_CACHE": str(tmp / "cache")})
+    for proc in outcomes:
+        assert_usage_error(proc, "--ckpt org/", out=tmp / "o")
+
+
+REVISION_PIECES = ["main", "v1", "refs", "pr", "1", "evil", "climb", "linked", "..", ".", "", "~", "x", "outside_ref",
+                   "outside_model", "snapshots", "models--org--tiny", "caf\u00e9", "\u202e", "a" * 300, MAIN, TAGGED]
+
+
+@fuzz_settings(200)
+@hypothesis.given(pieces=st.lists(st.one_of(st.sampled_from(REVISION_PIECES), st.text(max_size=4)), max_size=14),
+                  absolute=st.booleans())
+def test_any_revision_is_refused_or_resolved_inside_the_cache(hostile_cache, monkeypatch, pieces, absolute):
+    """Revisions drawn from a grammar of path pieces ('..', '.', empty, names of refs and of
+    the folders around the cache, unicode, very long) joined by '/': each is refused
+    (UsageError: one line) or resolves to a snapshot folder inside the cache."""
+    monkeypatch.setattr(hf.hub_constants, "HF_HUB_CACHE", str(hostile_cache / "cache"))
+    revision = ("/" if absolute else "") + "/".join(pieces)
+    try:
+        node = hf.resolve_checkpoint(f"org/tiny@{revision}")
+    except UsageError:
+        return
+    if node.hub is None:  # no hub id (an empty revision): a local path, which does not exist
+        assert node.path == f"org/tiny@{revision}" and not os.path.lexists(node.path)
+        return
+    assert_inside_snapshots(node, hostile_cache)
+
+
 def test_bad_dataset_lines_are_refused_naming_file_and_line(ckpt, tmp_path):
     """What JSON lets through but no evaluation can use: nesting too deep, integers too long
     to read, lone surrogates (no tokenizer encodes them), empty multiple-choice choices."""
