@@ -4078,8 +4078,14 @@ def test_an_interrupted_run_resumes_and_ends_as_an_uninterrupted_one(ckpt, tmp_p
     assert sorted(files_of(out)) == ["results.json", "samples.jsonl"]  # the kept results are gone
 
 
-FINGERPRINT = {"model": {"checkpoint": "org/tiny", "commit": "a" * 40, "files": {}}, "datasets": {"docs": {"sha256": "1"}},
-               "options": {"seed": 0}}
+FINGERPRINT = {"model": {"checkpoint": "org/tiny", "commit": "a" * 40, "files": {}},
+               "datasets": {"docs": {"kind": "acc", "sha256": "1"}}, "options": {"seed": 0}}
+
+
+def acc_records(start, *correct):
+    """Records of the evaluation "docs" (acc) from sample `start`, as a run writes them: a
+    document of 4 tokens each, `correct` of them right."""
+    return [{"eval": "docs", "index": start + i, "score": c / 4, "correct": c, "tokens": 4} for i, c in enumerate(correct)]
 
 
 def test_the_journal_keeps_whole_records_of_its_own_fingerprint_only(tmp_path):
@@ -4088,16 +4094,16 @@ def test_the_journal_keeps_whole_records_of_its_own_fingerprint_only(tmp_path):
     spec = jobs.ExecutionSpec("gpt/evaluate", out_dir=str(tmp_path))
     path = spec.path(evaluate.JOURNAL_FILE)
     journal = evaluate.Journal(spec, FINGERPRINT)
-    journal.append("docs", 0, [{"score": 1.0}])
-    journal.append("docs", 32, [{"score": 2.0}, {"score": 3.0}])
+    journal.append("docs", 0, acc_records(0, 1))
+    journal.append("docs", 32, acc_records(32, 2, 3))
     journal.close()
     whole = path.read_bytes()
     path.write_bytes(whole + evaluate.frame(b'{"eval": "docs", "start": 64, "records": []}')[:-5])  # a kill mid-append
     journal = evaluate.Journal(spec, FINGERPRINT)
-    assert journal.get("docs", 0, 1) == [{"score": 1.0}] and journal.get("docs", 32, 2) == [{"score": 2.0}, {"score": 3.0}]
+    assert journal.get("docs", 0, 1) == acc_records(0, 1) and journal.get("docs", 32, 2) == acc_records(32, 2, 3)
     assert path.read_bytes() == whole and journal.get("docs", 32, 3) is None and journal.get("docs", 64, 0) is None
     journal.close()
-    path.write_bytes(whole.replace(b"3.0", b"4.0"))  # a changed byte fails its record's checksum
+    path.write_bytes(whole.replace(b'"correct": 3', b'"correct": 4'))  # a changed byte fails its record's checksum
     assert list(evaluate.Journal(spec, FINGERPRINT).pieces) == [("docs", 0)]
     for where, value in [("options", {"seed": 1}), ("datasets", {"docs": {"sha256": "2"}}),
                          ("model", {**FINGERPRINT["model"], "commit": "b" * 40})]:
@@ -4217,6 +4223,121 @@ def test_a_killed_lm_eval_run_resumes_from_its_journal(ckpt, tmp_path):
                  for d, run in runs.items()]
         assert lines[0] == lines[1] and len(lines[0]) == 50, task
     assert not (tmp_path / "killed" / evaluate.JOURNAL_FILE).exists()
+
+
+@pytest.fixture(scope="module")
+def journaled(ckpt, tmp_path_factory):
+    """A run of the four kinds killed once every piece was journaled (pieces of 8 samples at
+    batch size 1: two an evaluation), with what it kept in .resume.json removed so that a
+    resumed run reads every evaluation from the journal; and the same run never killed.
+    (arguments but --out, the killed run's directory, its journal's payloads, the whole run's directory)"""
+    tmp = tmp_path_factory.mktemp("journaled")
+    data = {"ppl": [{"text": f"the {i} dogs see a cat. " * (1 + i % 3)} for i in range(9)] + [{"text": ""}],
+            "mc": [{"context": f"{i}+{i}=", "choices": [str(2 * i), str(i)], "gold": 0} for i in range(10)],
+            "gen": [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(10)],
+            "acc": [{"text": f"abc{i}|abc{i}"} for i in range(10)]}
+    args = ["--ckpt", ckpt, *sum([["--data", f"{kind}:{write_jsonl(tmp / f'{kind}.jsonl', rows)}"]
+                                  for kind, rows in data.items()], []),
+            "--max-new-tokens", "3", "--log-samples", "--batch-size", "1", "--quiet"]
+    killed = subprocess.run([sys.executable, "-c", KILLER, "final", "0", *map(str, args), "--out", str(tmp / "killed")],
+                            capture_output=True, text=True, env=driver_env(), cwd=ROOT)
+    assert killed.returncode == 9, killed.stderr[-2000:]
+    (tmp / "killed" / evaluate.RESUME_FILE).unlink()
+    whole, = cli_many(args + ["--out", tmp / "whole"])
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    payloads, _ = evaluate.read_frames((tmp / "killed" / evaluate.JOURNAL_FILE).read_bytes())
+    assert len(payloads) == 9, payloads  # the header, and two pieces of each evaluation
+    return args, tmp / "killed", payloads, tmp / "whole"
+
+
+def with_journal(killed, target, payloads):
+    """A copy of the killed run's directory whose journal holds `payloads`, each checksummed."""
+    shutil.copytree(killed, target)
+    (target / evaluate.JOURNAL_FILE).write_bytes(b"".join(evaluate.frame(json.dumps(p).encode()) for p in payloads))
+    return target
+
+
+def tampered(payloads, position, change):
+    """The payloads, with change(payload) applied to a copy of the one at `position`."""
+    payloads = copy.deepcopy(payloads)
+    change(payloads[position])
+    return payloads
+
+
+def test_journal_records_of_another_shape_are_dropped_with_what_follows(journaled, tmp_path):
+    """A checksum says a record is whole, not that this version wrote it: a piece whose "eval"
+    is a list, one whose records are strings (as many as its samples), one holding a NaN
+    score (the sweep's three), one whose perplexity is not its nll's, one whose multiple
+    choice predicts a choice it has not. Each is dropped with the pieces after it, as a torn
+    one is (the file cut there), and the run resumes from those before it, ending as the run
+    never killed; before, two were tracebacks and the NaN was refused at every try."""
+    args, killed, payloads, whole = journaled
+    position = {p["eval"]: n for n, p in reversed(list(enumerate(payloads))) if n}  # each evaluation's first piece
+    nan_score = lambda p: p["records"][1].update(score=math.nan)
+    cases = {"eval-list": (3, lambda p: p.update(eval=[p["eval"]])),
+             "strings": (position["gen"], lambda p: p.update(records=["x"] * len(p["records"]))),
+             "nan": (position["acc"], nan_score),
+             "perplexity": (1, lambda p: p["records"][0].update(score=p["records"][0]["score"] * 2)),
+             "prediction": (position["mc"], lambda p: p["records"][0].update(pred=7))}
+    spec = jobs.ExecutionSpec("gpt/evaluate", out_dir=str(tmp_path / "read"))
+    with_journal(killed, tmp_path / "read", tampered(payloads, position["acc"], nan_score))
+    journal = evaluate.Journal(spec, payloads[0]["fingerprint"])
+    journal.close()
+    assert list(journal.pieces) == [(p["eval"], p["start"]) for p in payloads[1:position["acc"]]]
+    assert evaluate.read_frames((tmp_path / "read" / evaluate.JOURNAL_FILE).read_bytes())[0] == payloads[:position["acc"]]
+    outcomes = cli_many(*(args + ["--out", with_journal(killed, tmp_path / name, tampered(payloads, n, change))]
+                          for name, (n, change) in cases.items()))
+    for (name, (n, _)), proc in zip(cases.items(), outcomes):
+        assert proc.returncode == 0, (name, proc.returncode, proc.stderr[-2000:])
+        assert without_timing(tmp_path / name) == without_timing(whole), name
+        assert files_of(tmp_path / name)["samples.jsonl"] == files_of(whole)["samples.jsonl"], name
+
+
+JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=4),
+                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
+                                                                                       max_size=3), max_leaves=6)
+
+
+@st.composite
+def reshaped(draw, payloads):
+    """The payloads with one changed in shape: its fields (or one of its records' fields)
+    replaced by others of any JSON values, one of them set to any JSON value or removed (the
+    names this version writes among them), or any JSON value, or a piece of any records,
+    added after it as a record of its own."""
+    payloads = copy.deepcopy(payloads)
+    position = draw(st.integers(0, len(payloads) - 1))
+    target = payloads[position]
+    if position and draw(st.booleans()):
+        target = draw(st.sampled_from(target["records"]))
+    names = sorted(target) + ["eval", "start", "records", "requests", "index", "score", "skipped", "zz"]
+    how = draw(st.sampled_from(["replace", "set", "remove", "insert"]))
+    if how == "insert":
+        payloads.insert(position + 1, draw(JSON_VALUES | st.fixed_dictionaries(
+            {"eval": st.sampled_from(["ppl", "mc", "lm-eval loglikelihood", "lm-eval generate_until"]),
+             "start": st.integers(0, 9), "records": st.lists(JSON_VALUES, max_size=3)})))
+    elif how == "replace":
+        target.clear()
+        target.update(draw(st.dictionaries(st.sampled_from(names), JSON_VALUES, max_size=4)))
+    elif how == "set":
+        target[draw(st.sampled_from(names))] = draw(JSON_VALUES)
+    else:
+        target.pop(draw(st.sampled_from(names)), None)
+    return payloads
+
+
+@fuzz_settings(12)
+@hypothesis.given(data=st.data())
+def test_any_well_checksummed_journal_resumes_or_is_dropped_cleanly(journaled, data):
+    """Journals whose records are whole and checksummed but of any shape: the run resumes
+    from what it can read, computes the rest, and ends as a run does (exit 0, every sample
+    scored), never in a traceback or a refusal."""
+    args, killed, payloads, _ = journaled
+    changed = data.draw(reshaped(payloads))
+    with tempfile.TemporaryDirectory() as tmp:
+        out = with_journal(killed, Path(tmp) / "o", changed)
+        status, err = main_in_process(*args, "--out", out)
+        assert status == 0, err
+        assert json.loads((out / "results.json").read_text())["n_samples"] == {"ppl": 9, "mc": 10, "gen": 10, "acc": 10}
 
 
 def test_results_and_samples_are_replaced_together_or_not_at_all(ckpt, tmp_path):
