@@ -4943,8 +4943,10 @@ def test_lm_eval_tasks_that_cannot_run_fail_with_one_line(hf_gpt2, tmp_path):
     """Exit 2 and one line, not a traceback: a task whose `!function` names no module, more
     few-shot examples than a task has (lm-eval itself stops in random.sample), a chat
     template that raises (again without the system turn), a continuation the tokenizer
-    joins to its context, a task sampling at a temperature that overflows float32. The
-    other libraries' progress bars are off, so that stderr holds only our line."""
+    joins to its context, a task sampling at a temperature that overflows float32, a task
+    asking for fewer than one new token (-3 was a traceback from jax; lm-eval's HF model
+    fails on 0 in transformers' generate) or for a number of them, or a temperature, that is
+    no number. The other libraries' progress bars are off, so that stderr holds only our line."""
     task_dir = tmp_path / "tasks"
     task_dir.mkdir()
     context, joined = joined_pair(HFTokenizer(str(hf_gpt2)))
@@ -4961,6 +4963,10 @@ def test_lm_eval_tasks_that_cannot_run_fail_with_one_line(hf_gpt2, tmp_path):
     task("glued", glued, target_delimiter="")
     task("sampled", output_type="generate_until", metric_list=[{"metric": "exact_match"}],
          generation_kwargs={"until": ["\n"], "do_sample": True, "temperature": 1e-40, "max_gen_toks": 4})
+    for name, kwargs in [("negative", {"max_gen_toks": -3}), ("none", {"max_gen_toks": 0}),
+                         ("wordy", {"max_gen_toks": "many"}), ("hot", {"do_sample": True, "temperature": "hot"})]:
+        task(name, output_type="generate_until", metric_list=[{"metric": "exact_match"}],
+             generation_kwargs={"until": ["\n"], **kwargs})
     (task_dir / "missing.yaml").write_text("task: missing\ndataset_path: json\ndataset_name: null\n"
                                            f"dataset_kwargs:\n  data_files:\n    test: {qa}\ntest_split: test\n"
                                            "output_type: loglikelihood\ndoc_to_text: q\ndoc_to_target: a\n"
@@ -4976,7 +4982,11 @@ def test_lm_eval_tasks_that_cannot_run_fail_with_one_line(hf_gpt2, tmp_path):
              (["--ckpt", chat, "--tasks", "few", "--apply-chat-template"],
               ["--apply-chat-template: the tokenizer's chat template fails", "no user turns here"]),
              (["--ckpt", hf_gpt2, "--tasks", "glued"], [f"the continuation {joined!r} adds no token to the context"]),
-             (["--ckpt", hf_gpt2, "--tasks", "sampled"], ["temperature must be 0 (greedy) or in [1e-06, inf)"])]
+             (["--ckpt", hf_gpt2, "--tasks", "sampled"], ["temperature must be 0 (greedy) or in [1e-06, inf)"]),
+             (["--ckpt", hf_gpt2, "--tasks", "negative"], ["a task asks for -3 new tokens (max_gen_toks)", "at least 1"]),
+             (["--ckpt", hf_gpt2, "--tasks", "none"], ["a task asks for 0 new tokens (max_gen_toks)", "at least 1"]),
+             (["--ckpt", hf_gpt2, "--tasks", "wordy"], ["generation_kwargs", "'many'"]),
+             (["--ckpt", hf_gpt2, "--tasks", "hot"], ["lm-eval cannot build hot", "'hot'"])]
     outcomes = cli_many(*(args + run for args, _ in cases),
                         env={"TQDM_DISABLE": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"})
     for (_, needles), proc in zip(cases, outcomes):
