@@ -3969,6 +3969,49 @@ def test_ctrl_c_ends_the_run_where_python_or_jax_would_hide_it(where):
     assert proc.stderr.strip().splitlines() == ["interrupted: nothing partial was written"]
 
 
+TRAINING = ["gpt/train/pretrain", "--steps", "1", "--n-layers", "1", "--n-embd", "32", "--quiet"]
+BAD_TRAINING = [  # (options, words of the error): each refused before a step or a rollout
+    (["--lr", "nan"], "--lr must be"), (["--lr", "-0.001"], "--lr must be"), (["--lr", "inf"], "--lr must be"),
+    (["--lr", "0"], "--lr must be"), (["--min-lr-ratio", "1.5"], "--min-lr-ratio must be in [0, 1]"),
+    (["--weight-decay", "nan"], "--weight-decay must be"), (["--weight-decay", "-1"], "--weight-decay must be"),
+    (["--warmup", "-3"], "--warmup must be at least 0"), (["--eval-every", "-1"], "--eval-every must be at least 0"),
+    (["--n-embd", "30", "--n-head", "4"], "n_head 4 does not divide n_embd 30"),
+    (["--n-layers", "100000000"], "memory available"),
+    (["--seq-len", "100000000"], "--seq-len", "memory available")]
+
+
+def test_training_options_that_cannot_be_right_are_refused_before_anything_runs(ckpt, tmp_path, capsys, monkeypatch):
+    """A learning rate that is NaN, infinite, negative or 0 (NaN trained to the end, then the
+    weights were blamed), other non-finite or impossible values, sizes no checkpoint can hold,
+    batches that cannot fit in 16 GB (the RL stage's --ptx-rows 200000 ran 30 s into a
+    traceback asking for 243 GB), --out the checkpoint that --init names: exit 2 and one line,
+    nothing trained, nothing written. A batch that XLA finds beyond memory all the same ends
+    in one line too."""
+    monkeypatch.setattr(gpt, "available_memory", lambda: 16 * 10**9)
+    rl = ["gpt/train/rl", "--init", str(ckpt), "--steps", "1", "--quiet"]
+    cases = [(TRAINING + args + ["--out", str(tmp_path / f"p{i}")], words) for i, (args, *words) in enumerate(BAD_TRAINING)]
+    cases += [(rl + args + ["--out", str(tmp_path / f"r{i}")], words) for i, (args, *words) in enumerate([
+        (["--lr", "nan"], "--lr must be"), (["--lr", "-1e-3"], "--lr must be"), (["--ptx", "nan"], "--ptx must be"),
+        (["--ptx", "-0.1"], "--ptx must be"), (["--warmup", "-1"], "--warmup must be at least 0"),
+        (["--weight-decay", "inf"], "--weight-decay must be"),
+        (["--ptx", "0.1", "--ptx-rows", "200000"], "--ptx-rows 200000", "memory available")])]
+    before = files_of(ckpt)
+    cases += [(rl + ["--out", out], ["--out", "is the checkpoint --init names"]) for out in (ckpt, f"{ckpt}/", ckpt / ".")]
+    for args, words in cases:
+        assert jobs.main(args) == 2, args
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and all(word in lines[0] for word in words), (args, lines)
+    assert files_of(ckpt) == before and sorted(p.name for p in tmp_path.iterdir()) == []
+
+    def out_of_memory(trainer):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 242790897320 bytes.")
+    monkeypatch.setattr(train.BaseTrainer, "train", out_of_memory)
+    assert jobs.main(TRAINING + ["--out", str(tmp_path / "oom")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: out of memory while training (JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory allocating "
+        "242790897320 bytes.); a smaller batch would fit (--batch-size, --micro-batch-size, --seq-len, --ptx-rows)"]
+
+
 def test_killed_training_leaves_a_loadable_checkpoint(tmp_path):
     out = tmp_path / "train"
     env = child_env(1)
