@@ -4031,6 +4031,37 @@ def test_killed_training_leaves_a_loadable_checkpoint(tmp_path):
     assert config["step"] >= 2 and model.n_embd == 32
 
 
+# `python jobs.py gpt/train/pretrain ARGS` sent SIGTERM right after its second checkpoint's
+# model.safetensors is renamed into place, before its config.json is
+SIGTERM_BETWEEN_CHECKPOINT_FILES = r"""
+import os, signal, sys
+import jobs
+replace, renamed = os.replace, []
+
+def replace_then_sigterm(source, target):
+    replace(source, target)
+    renamed.append(os.path.basename(target))
+    if renamed.count("model.safetensors") == 2 and renamed[-1] == "model.safetensors":
+        os.kill(os.getpid(), signal.SIGTERM)
+
+os.replace = replace_then_sigterm
+sys.exit(jobs.main(["gpt/train/pretrain", *sys.argv[1:]]))
+"""
+
+
+def test_a_signal_between_a_checkpoints_files_leaves_the_new_checkpoint_whole(tmp_path):
+    """SIGTERM between the renames of a checkpoint's weights and its config.json (which said
+    step 2 beside the weights of step 4): it waits for the last rename, so the checkpoint is
+    the new one whole, and no temporary is left."""
+    out = tmp_path / "train"
+    proc = subprocess.run([sys.executable, "-c", SIGTERM_BETWEEN_CHECKPOINT_FILES, "--out", str(out), "--steps", "6",
+                           "--ckpt-every", "2", "--batch-size", "4", "--seq-len", "32", "--n-layers", "1", "--n-embd",
+                           "32", "--quiet"], cwd=ROOT, env=child_env(1), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 143 and messages(proc.stderr) == ["terminated: nothing partial was written"], proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert json.loads((out / "config.json").read_text())["step"] == 4
+
+
 # ---- trust under misuse: a finished run is known by what it computed, an interrupted one
 # resumes, results.json and samples.jsonl go together, and bad input is refused up front
 
