@@ -722,15 +722,20 @@ class TensorFiles:
                 raise UsageError(f"{directory}: only pickle weights (*.bin/*.pt); convert them to "
                                  "safetensors (model.safetensors), pickle is never loaded")
             raise UsageError(f"{directory}: no model.safetensors")
-        where = {}
+        where: Dict[str, str] = {}
         for file in files:  # model.safetensors, or shards without an index
             full = os.path.join(directory, file)
             open_regular(Path(full), "weights").close()  # safe_open would wait on a FIFO
             try:
                 with safe_open(full, framework="numpy") as f:
-                    where.update({name: full for name in f.keys()})
+                    names = list(f.keys())
             except (SafetensorError, OSError, ValueError) as e:
                 raise UsageError(f"{full} is not a readable safetensors file ({first_line(e)})") from None
+            for name in names:  # which of two the user meant, no index says
+                if name in where:
+                    raise UsageError(f"{directory}: tensor {short(name)} is in both {os.path.basename(where[name])} "
+                                     f"and {file}, and no index (model.safetensors.index.json) says which to read")
+                where[name] = full
         return where
 
     @staticmethod

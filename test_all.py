@@ -4480,8 +4480,9 @@ BAD_MODEL_FIELDS = [  # (field, value, words of the error)
 
 def test_bad_native_checkpoints_are_refused_before_anything_is_built(ckpt, tmp_path):
     """Every config.json field checked for presence, type and range; absurd sizes refused at
-    once from an estimate of the parameter bytes; weights that are not floats, or that the
-    model does not use, refused."""
+    once from an estimate of the parameter bytes; weights that are not floats, that the
+    model does not use, or that two files without an index both hold (the last file's were
+    read), refused."""
     cases = [(with_model_config(ckpt, tmp_path / f"f{i}", lambda c, n=name, v=value: c["model"].update({n: v})),
               ["config.json", words]) for i, (name, value, words) in enumerate(BAD_MODEL_FIELDS)]
     cases += [(with_model_config(ckpt, tmp_path / "nomodel", lambda c: c.pop("model")), ['no "model"']),
@@ -4496,6 +4497,10 @@ def test_bad_native_checkpoints_are_refused_before_anything_is_built(ckpt, tmp_p
                       ["ln_f/scale", f"dtype {np.dtype(dtype)}"]))
     cases.append((with_tensors(ckpt, tmp_path / "extra", lambda t: t.update({"extra/w": np.ones(3, np.float32)})),
                   ["does not use", "extra/w"]))
+    twice = tmp_path / "twice"  # two files without an index, both holding a tensor: which did the user mean?
+    shutil.copytree(ckpt, twice)
+    save_file({"ln_f/scale": np.full(64, 2.0, np.float32)}, str(twice / "more.safetensors"))
+    cases.append((twice, ["'ln_f/scale'", "model.safetensors", "more.safetensors", "no index"]))
     outcomes = cli_many(*(["--ckpt", path, "--evals", "grammar", "--limit", "2", "--out", tmp_path / "o"]
                           for path, _ in cases))
     for (path, needles), proc in zip(cases, outcomes):
