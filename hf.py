@@ -23,6 +23,7 @@ gpt.GPT.check_length).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -108,8 +109,14 @@ def hub_folder(repo: str) -> str:
 
 def download_snapshot(text: str, repo: str, revision: str) -> str:
     """The snapshot folder of `repo` at `revision` (a branch, a tag, a commit): from the
-    cache where it is there and downloads are off, else downloaded (HUB_FILES only)."""
+    cache where it is there and downloads are off, else downloaded (HUB_FILES only). A
+    commit the cache holds whole is taken from it first: a commit never changes, and asking
+    the hub for its listing, without a network, retried for seconds on end."""
     try:
+        if COMMIT.fullmatch(revision):
+            with contextlib.suppress(LocalEntryNotFoundError, IncompleteSnapshotError):  # not cached whole: the hub's
+                return huggingface_hub.snapshot_download(repo, revision=revision, allow_patterns=HUB_FILES,
+                                                         local_files_only=True)
         return huggingface_hub.snapshot_download(repo, revision=revision, allow_patterns=HUB_FILES)
     except IncompleteSnapshotError as e:  # the cache's own listing of the commit names files not there
         raise UsageError(f"--ckpt {text}: {first_line(e)}") from None

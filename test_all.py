@@ -49,6 +49,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 import flax.linen as nn
+import huggingface_hub
 import hypothesis
 import hypothesis.strategies as st
 import jax
@@ -4638,6 +4639,29 @@ def test_hub_ids_resolve_offline_through_the_cache(hf_gpt2, tmp_path, monkeypatc
                "model.onnx", "README.md", "flax_model.msgpack", "tf_model.h5", "original/consolidated.pth"]
     fetched = set(filter_repo_objects(listing, allow_patterns=hf.HUB_FILES))
     assert fetched == set(listing[:10])
+
+
+def test_a_cached_commit_resolves_without_asking_the_hub(hf_gpt2, tmp_path, monkeypatch):
+    """Without HF_HUB_OFFLINE and without a network, a commit the cache holds resolves from it
+    at once (its listing was asked for, five times over twenty seconds, printing each retry);
+    a branch is still asked for (it moves), and falls back on the cache's ref as before; a
+    commit the cache lacks goes to the hub, which cannot be reached: one line."""
+    cache = tmp_path / "cache"
+    hub_cache(cache, "org/tiny", {MAIN: hf_gpt2}, {"main": MAIN})
+    monkeypatch.setattr(hf.hub_constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(hf.hub_constants, "HF_HUB_OFFLINE", False)
+    asked = []
+
+    def unreachable(self, repo_id, *args, **kwargs):
+        asked.append(kwargs.get("revision"))
+        raise huggingface_hub.errors.OfflineModeIsEnabled("no network")
+    monkeypatch.setattr(huggingface_hub.HfApi, "repo_info", unreachable)
+    monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_tree", unreachable)
+    assert hf.resolve_checkpoint(f"org/tiny@{MAIN}").hub["commit"] == MAIN and asked == []
+    assert hf.resolve_checkpoint("org/tiny").hub["commit"] == MAIN and asked == ["main"]
+    with pytest.raises(UsageError, match="the hub cannot be reached"):
+        hf.resolve_checkpoint(f"org/tiny@{TAGGED}")
+    assert asked == ["main", TAGGED]
 
 
 def test_a_hub_id_scores_as_its_snapshot_and_records_its_commit(hf_gpt2, tmp_path):
