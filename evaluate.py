@@ -889,8 +889,23 @@ def read_kept(path: Path, fingerprint: Dict[str, Any]) -> Dict[str, Result]:
             return {}
     if not isinstance(kept, dict) or kept.get("fingerprint") != fingerprint:
         return {}
+    results, kinds = kept.get("results"), dataset_kinds(fingerprint)
+    if type(results) is not dict or not all(is_kept(name, r, kinds) for name, r in results.items()):
+        return {}  # not what keep_finished writes: computed again (or read from the journal)
     return {name: Result(name, r["kind"], r["value"], r["stderr"], np.array(r["scores"], np.float64),
-                         r["records"], r["metrics"], []) for name, r in kept["results"].items()}
+                         r["records"], r["metrics"], []) for name, r in results.items()}
+
+
+def is_kept(name: str, kept: Any, kinds: Dict[str, Any]) -> bool:
+    """Whether `kept` is evaluation `name`'s as kept_form writes it: RESUME_FILE has no
+    checksum, and one of another shape ended the run in a traceback."""
+    if type(kept) is not dict or kept.keys() != {"kind", "value", "stderr", "scores", "metrics", "records"}:
+        return False
+    scores, metrics, records = kept["scores"], kept["metrics"], kept["records"]
+    return (kept["kind"] == kinds.get(name) and number(kept["value"]) and number(kept["stderr"])
+            and type(scores) is list and bool(scores) and all(map(number, scores))
+            and type(metrics) is dict and all(map(number, metrics.values())) and type(records) is list
+            and all(is_record(record, kept["kind"], name, i) for i, record in enumerate(records)))
 
 
 # A run journals its work piece by piece, so that a kill at any instant (SIGKILL, power loss)
@@ -1015,10 +1030,14 @@ def is_piece(payload: Any, kinds: Dict[str, Any]) -> bool:
             and all(is_record(r, kinds[name], name, start + i) for i, r in enumerate(records)))
 
 
+def dataset_kinds(fingerprint: Dict[str, Any]) -> Dict[str, Any]:
+    """Each evaluation's kind, by name, as a run's fingerprint records it."""
+    return {name: d.get("kind") for name, d in fingerprint["datasets"].items() if isinstance(d, dict)}
+
+
 def journal_shape(header: Dict[str, Any]) -> Callable[[int, Any], bool]:
     """What a journal of `header` holds (read_frames' `wanted`): that header, then pieces."""
-    datasets = header["fingerprint"]["datasets"]
-    kinds = {name: d.get("kind") for name, d in datasets.items() if isinstance(d, dict)}
+    kinds = dataset_kinds(header["fingerprint"])
     return lambda position, payload: payload == header if position == 0 else is_piece(payload, kinds)
 
 

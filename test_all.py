@@ -4368,6 +4368,27 @@ def test_journal_records_of_another_shape_are_dropped_with_what_follows(journale
         assert files_of(tmp_path / name)["samples.jsonl"] == files_of(whole)["samples.jsonl"], name
 
 
+def test_a_resume_file_of_another_shape_is_ignored(journaled, tmp_path):
+    """.resume.json has no checksum: one of this run's fingerprint whose evaluations are not
+    what a run keeps (a field missing, which was a KeyError traceback; results that are no
+    object; a NaN value; a record of another sample) is ignored, and the run reads the
+    journal instead, ending as the run never killed."""
+    args, killed, payloads, whole = journaled
+    fingerprint = payloads[0]["fingerprint"]
+    good = {"kind": "mc", "value": 0.5, "stderr": 0.1, "scores": [0.0, 1.0], "metrics": {"skipped": 0}, "records": []}
+    record = {"eval": "mc", "index": 1, "score": 1.0, "loglik": [-1.0, -2.0], "pred": 0, "gold": 0, "acc_norm": 1.0}
+    cases = {"missing": {"mc": {"kind": "mc"}}, "list": [good], "nan": {"mc": {**good, "value": math.nan}},
+             "record": {"mc": {**good, "records": [record]}}}
+    outs = []
+    for name, results in cases.items():
+        out = with_journal(killed, tmp_path / name, payloads)
+        (out / evaluate.RESUME_FILE).write_text(json.dumps({"fingerprint": fingerprint, "results": results}))
+        outs.append(args + ["--out", out])
+    for name, proc in zip(cases, cli_many(*outs)):
+        assert proc.returncode == 0, (name, proc.returncode, proc.stderr[-2000:])
+        assert without_timing(tmp_path / name) == without_timing(whole), name
+
+
 JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=4),
                            lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
                                                                                        max_size=3), max_leaves=6)
