@@ -138,7 +138,7 @@ def check_snapshot(text: str, repo: str, folder: str) -> None:
     name = os.path.basename(folder)
     if not COMMIT.fullmatch(name) or os.path.realpath(folder) != os.path.join(snapshots, name):
         raise UsageError(f"--ckpt {text}: resolved to {folder}, not a snapshot folder (snapshots/COMMIT) "
-                         f"of {hub_folder(repo)}; a ref there names no commit")
+                         f"of {hub_folder(repo)}: its refs or snapshots lead out of it")
     index = os.path.join(folder, "model.safetensors.index.json")
     if not os.path.lexists(index):
         return

@@ -86,7 +86,7 @@ class TrainConfig:
 def check_optimizer_options(cfg: Any) -> None:
     """Options that cannot be right, refused before anything runs: a learning rate that is not
     above 0 and finite (NaN trained to the end into NaN weights, a negative one climbs the
-    loss), weight decay below 0 or not finite, a negative number of steps."""
+    loss), weight decay below 0 or not finite, a negative count of steps (--warmup, --eval-every)."""
     if not 0 < cfg.lr < math.inf:
         raise UsageError(f"--lr must be above 0 and finite, got {cfg.lr}")
     if not 0 <= cfg.weight_decay < math.inf:
@@ -104,7 +104,8 @@ def check_batch_fits(model: gpt.GPT, rows: int, length: int, options: str) -> No
     two ends in one line when XLA runs out (BaseTrainer.run)."""
     m = model
     per_token = m.n_layers * (2 * m.n_embd + m.n_head * m.head_width + m.mlp_width) + 2 * m.vocab_size
-    needed, free = 4 * -(-rows // jax.process_count()) * length * per_token, gpt.available_memory()
+    needed = np.dtype(np.float32).itemsize * -(-rows // jax.process_count()) * length * per_token
+    free = gpt.available_memory()
     if needed > free:
         raise UsageError(f"{options}: a training batch of {rows} x {length} tokens needs at least "
                          f"{gpt.gigabytes(needed)}, more than the {gpt.gigabytes(free)} of memory available")
