@@ -4349,7 +4349,7 @@ def test_journal_records_of_another_shape_are_dropped_with_what_follows(journale
     args, killed, payloads, whole = journaled
     position = {p["eval"]: n for n, p in reversed(list(enumerate(payloads))) if n}  # each evaluation's first piece
     nan_score = lambda p: p["records"][1].update(score=math.nan)
-    cases = {"eval-list": (3, lambda p: p.update(eval=[p["eval"]])),
+    cases = {"eval-list": (position["mc"] + 1, lambda p: p.update(eval=[p["eval"]])),
              "strings": (position["gen"], lambda p: p.update(records=["x"] * len(p["records"]))),
              "nan": (position["acc"], nan_score),
              "perplexity": (1, lambda p: p["records"][0].update(score=p["records"][0]["score"] * 2)),
