@@ -28,7 +28,7 @@ import time
 import warnings
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import jax
 import numpy as np
@@ -158,9 +158,7 @@ class DatasetEvaluation(Evaluation):
             pairs = self.journaled_records(inference, encoding, journal, **kwargs)
         records, rows = [], []
         for record, row in inference.progress(pairs, self.name, len(self)):
-            field = non_finite(record)
-            if field is not None:  # NaN would be no score at all, and no JSON in samples.jsonl
-                raise self.non_finite_error(field, record["index"])
+            self.check_finite(record)
             records.append(record)
             if keep_rows:
                 rows.append(row)
@@ -173,6 +171,12 @@ class DatasetEvaluation(Evaluation):
             raise UsageError(f"evaluation {self.name}: non-finite score (broken weights?)")
         metrics["skipped"] = len(records) - len(scored)
         return Result(self.name, self.kind, value, stderr, scores, records, metrics, rows)
+
+    def check_finite(self, record: Dict[str, Any]) -> None:
+        """NaN would be no score at all, and no JSON in samples.jsonl: refused, naming the sample."""
+        field = non_finite(record)
+        if field is not None:
+            raise self.non_finite_error(field, record["index"])
 
     def journaled_records(self, inference: InferenceJob, encoding: Any, journal: Journal,
                           **kwargs: Any) -> Iterator[Tuple[Dict[str, Any], None]]:
@@ -187,6 +191,8 @@ class DatasetEvaluation(Evaluation):
             records = journal.get(self.name, start, len(samples))
             if records is None:
                 records = [record for record, _ in self.records(inference, encoding, False, samples, **kwargs)]
+                for record in records:  # before it is journaled: a retry would read it back
+                    self.check_finite(record)
                 journal.append(self.name, start, records)
             elif inference.report is not None:
                 inference.report.advance(len(samples), 0)
@@ -883,8 +889,23 @@ def read_kept(path: Path, fingerprint: Dict[str, Any]) -> Dict[str, Result]:
             return {}
     if not isinstance(kept, dict) or kept.get("fingerprint") != fingerprint:
         return {}
+    results, kinds = kept.get("results"), dataset_kinds(fingerprint)
+    if type(results) is not dict or not all(is_kept(name, r, kinds) for name, r in results.items()):
+        return {}  # not what keep_finished writes: computed again (or read from the journal)
     return {name: Result(name, r["kind"], r["value"], r["stderr"], np.array(r["scores"], np.float64),
-                         r["records"], r["metrics"], []) for name, r in kept["results"].items()}
+                         r["records"], r["metrics"], []) for name, r in results.items()}
+
+
+def is_kept(name: str, kept: Any, kinds: Dict[str, Any]) -> bool:
+    """Whether `kept` is evaluation `name`'s as kept_form writes it: RESUME_FILE has no
+    checksum, and one of another shape ended the run in a traceback."""
+    if type(kept) is not dict or kept.keys() != {"kind", "value", "stderr", "scores", "metrics", "records"}:
+        return False
+    scores, metrics, records = kept["scores"], kept["metrics"], kept["records"]
+    return (kept["kind"] == kinds.get(name) and number(kept["value"]) and number(kept["stderr"])
+            and type(scores) is list and bool(scores) and all(map(number, scores))
+            and type(metrics) is dict and all(map(number, metrics.values())) and type(records) is list
+            and all(is_record(record, kept["kind"], name, i) for i, record in enumerate(records)))
 
 
 # A run journals its work piece by piece, so that a kill at any instant (SIGKILL, power loss)
@@ -913,10 +934,12 @@ def frame(payload: bytes) -> bytes:
     return f"{len(body)} {hashlib.sha256(body).hexdigest()}\n".encode() + body
 
 
-def read_frames(data: bytes) -> Tuple[List[Any], int]:
+def read_frames(data: bytes, wanted: Callable[[int, Any], bool] = lambda position, payload: True
+                ) -> Tuple[List[Any], int]:
     """The JSON payloads of the whole, valid records at the start of `data`, and where they
     end: the first record that is cut short or fails its checksum (a kill in the middle of
-    an append) ends the list, and whatever follows it is dropped."""
+    an append), or whose payload `wanted(position, payload)` refuses, ends the list, and
+    whatever follows it is dropped."""
     payloads, end = [], 0
     while end < len(data):
         header, newline, _ = data[end:end + 100].partition(b"\n")
@@ -928,11 +951,94 @@ def read_frames(data: bytes) -> Tuple[List[Any], int]:
         if len(body) != int(length) or hashlib.sha256(body).hexdigest() != digest:
             break
         try:
-            payloads.append(json.loads(body))
-        except ValueError:
+            payload = json.loads(body)
+        except (ValueError, RecursionError):
             break
+        if not wanted(len(payloads), payload):
+            break
+        payloads.append(payload)
         end = start + len(body)
     return payloads, end
+
+
+# A piece's records as this version writes them: beside "eval" (the piece's) and "index"
+# (the sample's), each kind's fields, each with the check its value passes. A checksum says
+# that a record is whole, not that this version wrote it: a record of another shape would
+# end a resumed run in a traceback, or (a NaN) refuse it at every try.
+def number(value: Any) -> bool:
+    """A finite float, or an integer that a float holds exactly (numpy sums them as floats);
+    true is no number."""
+    return type(value) is float and math.isfinite(value) or type(value) is int and abs(value) < 2**53
+
+
+def count(value: Any) -> bool:
+    return number(value) and type(value) is int and value >= 0
+
+
+def positive(value: Any) -> bool:
+    return count(value) and value > 0
+
+
+def unit(value: Any) -> bool:
+    return number(value) and 0 <= value <= 1
+
+
+RECORD_FIELDS = {
+    "ppl": {"score": number, "nll": number, "tokens": positive, "bytes": positive},
+    "acc": {"score": unit, "correct": count, "tokens": positive},
+    "mc": {"score": unit, "loglik": lambda v: type(v) is list and all(map(number, v)), "pred": count, "gold": count,
+           "acc_norm": unit},
+    "gen": {"score": unit, "output": lambda v: type(v) is str, "answer": lambda v: type(v) is str,
+            "truncated": lambda v: type(v) is bool},
+}
+SKIPPED = {"skipped": True, "score": None}  # a rolling kind's document of no token
+# lm-eval's answers, by request type (tasks.JaxLM): (log-likelihood, is_greedy), a log-likelihood, a text
+ANSWERS = {"lm-eval loglikelihood": lambda a: type(a) is list and len(a) == 2 and number(a[0]) and type(a[1]) is bool,
+           "lm-eval loglikelihood_rolling": number, "lm-eval generate_until": lambda a: type(a) is str}
+
+
+def is_record(record: Any, kind: Optional[str], name: str, index: int) -> bool:
+    """Whether `record` is sample `index`'s of evaluation `name`, of its kind, as written."""
+    if type(record) is not dict or record.get("eval") != name or record.get("index") != index:
+        return False
+    fields = {k: v for k, v in record.items() if k not in ("eval", "index")}
+    if kind in ("ppl", "acc") and fields.get("skipped") is True:
+        return fields == SKIPPED
+    if kind not in RECORD_FIELDS:  # an Evaluation of a library user's own kind: nothing non-finite
+        return non_finite(record) is None
+    checks = RECORD_FIELDS[kind]
+    if fields.keys() != checks.keys() or not all(check(fields[k]) for k, check in checks.items()):
+        return False
+    # a perplexity is what its nll makes it (so no sum of them overflows); a choice is one of the choices
+    if kind == "ppl":
+        return math.isclose(fields["score"], exp(fields["nll"] / fields["tokens"]))
+    return kind != "mc" or max(fields["pred"], fields["gold"]) < len(fields["loglik"])
+
+
+def is_piece(payload: Any, kinds: Dict[str, Any]) -> bool:
+    """Whether `payload` is a piece as Journal.append writes it, of an evaluation of this run
+    (`kinds`: name -> kind, from its fingerprint) or of lm-eval's requests (with their hash)."""
+    if type(payload) is not dict or not {"eval", "start", "records"} <= payload.keys() <= {
+            "eval", "start", "records", "requests"}:
+        return False
+    name, start, records = payload["eval"], payload["start"], payload["records"]
+    if type(name) is not str or not count(start) or type(records) is not list:
+        return False
+    if name in ANSWERS:
+        return type(payload.get("requests")) is str and all(map(ANSWERS[name], records))
+    return ("requests" not in payload and name in kinds
+            and all(is_record(r, kinds[name], name, start + i) for i, r in enumerate(records)))
+
+
+def dataset_kinds(fingerprint: Dict[str, Any]) -> Dict[str, Any]:
+    """Each evaluation's kind, by name, as a run's fingerprint records it."""
+    return {name: d.get("kind") for name, d in fingerprint["datasets"].items() if isinstance(d, dict)}
+
+
+def journal_shape(header: Dict[str, Any]) -> Callable[[int, Any], bool]:
+    """What a journal of `header` holds (read_frames' `wanted`): that header, then pieces."""
+    kinds = dataset_kinds(header["fingerprint"])
+    return lambda position, payload: payload == header if position == 0 else is_piece(payload, kinds)
 
 
 def journal_holds(path: Path, fingerprint: Dict[str, Any]) -> bool:
@@ -940,7 +1046,7 @@ def journal_holds(path: Path, fingerprint: Dict[str, Any]) -> bool:
     if not os.path.lexists(path):
         return False
     with open_regular(path, "journal") as f:
-        payloads, _ = read_frames(f.read(MAX_HEADER_BYTES))
+        payloads, _ = read_frames(f.read(MAX_HEADER_BYTES), lambda position, payload: position == 0)
     return bool(payloads) and payloads[0] == {"format": JOURNAL_FORMAT, "fingerprint": fingerprint}
 
 
@@ -950,35 +1056,37 @@ MAX_HEADER_BYTES = 16 << 20  # a fingerprint lists a few files and options: neve
 class Journal:
     """DIR/.journal while a run goes on: its first record the run's fingerprint, then one per
     finished piece, {"eval", "start", "records"} (see frame). Each append is fsynced before
-    the run goes on. One of another fingerprint is never read: it is replaced. Process 0
-    reads and writes it; in a multi-process run the others get what it read from it. window:
-    the samples the inference job sorts and batches together, of which a piece holds a
-    whole number (journal_piece)."""
+    the run goes on. One of another fingerprint is never read: it is replaced. A record that
+    is not a piece of the shape this version writes (is_piece) is dropped with everything
+    after it, as a torn one is. Process 0 reads and writes it; in a multi-process run the
+    others get what it read from it. window: the samples the inference job sorts and
+    batches together, of which a piece holds a whole number (journal_piece)."""
 
     def __init__(self, spec: ExecutionSpec, fingerprint: Dict[str, Any], window: int = 1):
         self.spec, self.fd, self.window = spec, None, window
-        data = self._open(fingerprint) if spec.is_main else b""
+        header = {"format": JOURNAL_FORMAT, "fingerprint": fingerprint}
+        data = self._open(header) if spec.is_main else b""
         if jax.process_count() > 1:
             data = broadcast_bytes(data)
-        payloads, _ = read_frames(data)
-        self.pieces = {(p.get("eval"), p.get("start")): p for p in payloads[1:] if isinstance(p, dict)}
+        payloads, _ = read_frames(data, journal_shape(header))
+        self.pieces = {(p["eval"], p["start"]): p for p in payloads[1:]}
 
-    def _open(self, fingerprint: Dict[str, Any]) -> bytes:
-        """Open the journal for appending, this run's (cut after its last whole record) or a
-        new one (replacing another run's); the bytes of this run's records so far."""
-        path, header = self.spec.path(JOURNAL_FILE), {"format": JOURNAL_FORMAT, "fingerprint": fingerprint}
+    def _open(self, header: Dict[str, Any]) -> bytes:
+        """Open the journal for appending, this run's (cut after its last whole record of the
+        right shape) or a new one (replacing another run's); the bytes of this run's records so far."""
+        path = self.spec.path(JOURNAL_FILE)
         data = b""
         if os.path.lexists(path):
             with open_regular(path, "journal") as f:
                 data = f.read()
-        payloads, end = read_frames(data)
-        if not payloads or payloads[0] != header:
+        payloads, end = read_frames(data, journal_shape(header))
+        if not payloads:
             data = frame(json.dumps(header).encode())
             write_atomic(path, data)
             end = len(data)
         self.fd = os.open(path, os.O_WRONLY)
         if end < len(data):
-            os.ftruncate(self.fd, end)  # a record cut short by a kill, dropped before any other follows
+            os.ftruncate(self.fd, end)  # a record cut short by a kill (or not a piece), dropped before any other follows
         os.lseek(self.fd, end, os.SEEK_SET)
         return data[:end]
 

@@ -23,6 +23,7 @@ gpt.GPT.check_length).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -64,6 +65,11 @@ BASE_PREFIX = {"gpt2": "transformer.", "gpt_neox": "gpt_neox."}  # others: "mode
 # since is another run.
 
 HUB_ID = re.compile(r"(?P<id>[\w.-]+/[\w.-]+)(?:@(?P<revision>[^@\s]+))?")
+# A revision is a branch or a tag (names of ASCII letters, digits, ".", "_", "+" and "-"
+# joined by "/", none starting with "." and no ".." anywhere, as git's refs are, less their
+# rarer characters) or a commit: the cache keeps refs/REVISION, so a revision is a path there
+REVISION = re.compile(r"(?!.*\.\.)[\w+-][\w.+-]*(?:/[\w+-][\w.+-]*)*", re.ASCII)
+COMMIT = re.compile(r"[0-9a-f]{40}")  # a snapshot folder's name
 # What a snapshot download fetches: the config, safetensors weights and their index, the
 # tokenizer and chat templates. Never pickles (*.bin, *.pt) or code (*.py): neither is read.
 HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
@@ -87,8 +93,11 @@ def resolve_checkpoint(text: str, say=lambda line: print(line, file=sys.stderr))
                 "HuggingFace cache (give another path to the directory, or move it, to use the hub model)")
         return Node(text)
     repo, revision = match["id"], match["revision"] or "main"
+    if not REVISION.fullmatch(revision):
+        raise UsageError(f"--ckpt {text}: revision {short(revision)} is not a branch, a tag or a commit (names of "
+                         "letters, digits, '.', '_', '+' and '-' joined by '/', none starting with '.', no '..')")
     folder = download_snapshot(text, repo, revision)
-    check_snapshot(text, folder)
+    check_snapshot(text, repo, folder)
     return Node(folder, hub={"id": repo, "revision": revision, "commit": os.path.basename(folder)})
 
 
@@ -100,8 +109,14 @@ def hub_folder(repo: str) -> str:
 
 def download_snapshot(text: str, repo: str, revision: str) -> str:
     """The snapshot folder of `repo` at `revision` (a branch, a tag, a commit): from the
-    cache where it is there and downloads are off, else downloaded (HUB_FILES only)."""
+    cache where it is there and downloads are off, else downloaded (HUB_FILES only). A
+    commit the cache holds whole is taken from it first: a commit never changes, and asking
+    the hub for its listing, without a network, retried for seconds on end."""
     try:
+        if COMMIT.fullmatch(revision):
+            with contextlib.suppress(LocalEntryNotFoundError, IncompleteSnapshotError):  # not cached whole: the hub's
+                return huggingface_hub.snapshot_download(repo, revision=revision, allow_patterns=HUB_FILES,
+                                                         local_files_only=True)
         return huggingface_hub.snapshot_download(repo, revision=revision, allow_patterns=HUB_FILES)
     except IncompleteSnapshotError as e:  # the cache's own listing of the commit names files not there
         raise UsageError(f"--ckpt {text}: {first_line(e)}") from None
@@ -113,9 +128,17 @@ def download_snapshot(text: str, repo: str, revision: str) -> str:
         raise UsageError(f"--ckpt {text}: {first_line(e)}") from None
 
 
-def check_snapshot(text: str, folder: str) -> None:
-    """A snapshot whose index names a weights file the folder lacks (an interrupted download,
-    a file removed from the cache) is refused now, naming the file, not once half loaded."""
+def check_snapshot(text: str, repo: str, folder: str) -> None:
+    """A snapshot is used only where it is a folder snapshots/COMMIT of the model's own cache
+    folder, links followed (a ref file holding a path, or a linked snapshot, would lead
+    anywhere). One whose index names a weights file the folder lacks (an interrupted
+    download, a file removed from the cache) is refused now, naming the file, not once half
+    loaded."""
+    snapshots = os.path.realpath(os.path.join(hub_folder(repo), "snapshots"))
+    name = os.path.basename(folder)
+    if not COMMIT.fullmatch(name) or os.path.realpath(folder) != os.path.join(snapshots, name):
+        raise UsageError(f"--ckpt {text}: resolved to {folder}, not a snapshot folder (snapshots/COMMIT) "
+                         f"of {hub_folder(repo)}: its refs or snapshots lead out of it")
     index = os.path.join(folder, "model.safetensors.index.json")
     if not os.path.lexists(index):
         return

@@ -275,27 +275,9 @@ class ExecutionSpec:
         self.write_text(filename, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
     def write_together(self, files: Dict[str, Optional[bytes]]) -> None:
-        """Write files of the output directory as one: every temporary is written in full
-        before any is renamed, so a failed write (a full disk) replaces none of them, and
-        Ctrl-C or SIGTERM waits for the last rename (signals_held). None removes a file, so
-        that no stale one is left beside the new ones. No temporary outlives the call."""
-        if not self.is_main:
-            return
-        temporaries: Dict[str, Path] = {}
-        try:
-            for name, data in files.items():
-                if data is not None:
-                    temporaries[name] = write_temporary(self.path(name), data)
-            with signals_held():
-                for name, data in files.items():
-                    if data is None:
-                        self.path(name).unlink(missing_ok=True)
-                    else:
-                        os.replace(temporaries[name], self.path(name))
-                        del temporaries[name]
-        finally:
-            for temporary in temporaries.values():  # written but not renamed: a write or rename failed
-                temporary.unlink(missing_ok=True)
+        """Write files of the output directory as one (see write_together), on process 0."""
+        if self.is_main:
+            write_together(Path(self.out_dir), files)
 
 
 # ----------------------------------------------------------------------------- files
@@ -333,6 +315,28 @@ def write_temporary(path: Path, data: bytes) -> Path:
 def write_atomic(path: Path, data: bytes) -> None:
     """Write to a temporary file in the same directory, fsync, then rename over `path`."""
     os.replace(write_temporary(path, data), path)
+
+
+def write_together(directory: Path, files: Dict[str, Optional[bytes]]) -> None:
+    """Write files of `directory` as one, renamed in the order given: every temporary is
+    written in full before any is renamed, so a failed write (a full disk) replaces none of
+    them, and Ctrl-C or SIGTERM waits for the last rename (signals_held). None removes a
+    file, so that no stale one is left beside the new ones. No temporary outlives the call."""
+    temporaries: Dict[str, Path] = {}
+    try:
+        for name, data in files.items():
+            if data is not None:
+                temporaries[name] = write_temporary(directory / name, data)
+        with signals_held():
+            for name, data in files.items():
+                if data is None:
+                    (directory / name).unlink(missing_ok=True)
+                else:
+                    os.replace(temporaries[name], directory / name)
+                    del temporaries[name]
+    finally:
+        for temporary in temporaries.values():  # written but not renamed: a write or rename failed
+            temporary.unlink(missing_ok=True)
 
 
 TEMPORARY_NAME = re.compile(r"\..+\.[a-z0-9_]{8}\.tmp")  # write_temporary's: ".NAME." + mkstemp's 8 + ".tmp"
@@ -718,15 +722,20 @@ class TensorFiles:
                 raise UsageError(f"{directory}: only pickle weights (*.bin/*.pt); convert them to "
                                  "safetensors (model.safetensors), pickle is never loaded")
             raise UsageError(f"{directory}: no model.safetensors")
-        where = {}
+        where: Dict[str, str] = {}
         for file in files:  # model.safetensors, or shards without an index
             full = os.path.join(directory, file)
             open_regular(Path(full), "weights").close()  # safe_open would wait on a FIFO
             try:
                 with safe_open(full, framework="numpy") as f:
-                    where.update({name: full for name in f.keys()})
+                    names = list(f.keys())
             except (SafetensorError, OSError, ValueError) as e:
                 raise UsageError(f"{full} is not a readable safetensors file ({first_line(e)})") from None
+            for name in names:  # which of two the user meant, no index says
+                if name in where:
+                    raise UsageError(f"{directory}: tensor {short(name)} is in both {os.path.basename(where[name])} "
+                                     f"and {file}, and no index (model.safetensors.index.json) says which to read")
+                where[name] = full
         return where
 
     @staticmethod
@@ -910,10 +919,12 @@ def model_config(model: gpt.GPT) -> Dict[str, Any]:
 
 def save_checkpoint(directory: str, model: gpt.GPT, variables: Any, tokenizer: Dict[str, Any],
                     extra: Optional[Dict[str, Any]] = None) -> None:
-    """Write model.safetensors, then config.json, each atomically (temporary file + rename).
+    """Write the checkpoint's files together (write_together): the tokenizer's, then
+    model.safetensors, then config.json, each in full before any is renamed.
 
-    A run killed midway leaves the previous complete checkpoint (or none), never half a
-    file; other files in the directory (a training log) stay.
+    A run stopped midway (Ctrl-C, SIGTERM: they wait for the renames) leaves the previous
+    complete checkpoint (or none) or the new one, never half a file nor the new weights
+    beside the old config.json; other files in the directory (a training log) stay.
     """
     weights = to_host(variables)  # every process takes part in the gather
     if jax.process_index() != 0:
@@ -921,10 +932,10 @@ def save_checkpoint(directory: str, model: gpt.GPT, variables: Any, tokenizer: D
     path = Path(directory)
     config = {"format": NATIVE_FORMAT, "model": model_config(model),
               "tokenizer": {k: v for k, v in tokenizer.items() if k != "source"}, **(extra or {})}
-    for name in tokenizer.get("files", []):  # a HuggingFace tokenizer travels with its model
-        write_atomic(path / name, (Path(tokenizer["source"]) / name).read_bytes())
-    write_atomic(path / "model.safetensors", save(weights))
-    write_atomic(path / "config.json", (json.dumps(config, indent=2) + "\n").encode())
+    # a HuggingFace tokenizer travels with its model; config.json, last, says which step the files are
+    files = {name: (Path(tokenizer["source"]) / name).read_bytes() for name in tokenizer.get("files", [])}
+    files.update({"model.safetensors": save(weights), "config.json": (json.dumps(config, indent=2) + "\n").encode()})
+    write_together(path, files)
 
 
 def load_checkpoint(directory: str, mesh: jax.sharding.Mesh, dtype: Optional[str] = None):

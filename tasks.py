@@ -234,8 +234,14 @@ class JaxLM(TemplateLM):
         if unknown:
             raise UsageError(f"generation_kwargs {', '.join(unknown)} are not supported "
                              f"(supported: {', '.join(sorted(GEN_KWARGS))})")
-        kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
+        try:
+            kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
+        except (TypeError, ValueError) as e:  # int() or float() of a value no number ("max_gen_toks: many")
+            raise UsageError(f"generation_kwargs: {first_line(e)}") from None
         n_new = kwargs["max_gen_toks"]
+        if n_new < 1:  # lm-eval's HF model fails on these too, in transformers' generate
+            raise UsageError(f"a task asks for {n_new} new tokens (max_gen_toks); it must be at least 1 "
+                             "(--max-new-tokens sets it for every task)")
         if n_new >= self.max_length:
             raise UsageError(f"a task asks for {n_new} new tokens (max_gen_toks), which leaves no room in the "
                              f"context of {self.max_length}; --max-new-tokens sets it for every task")
@@ -377,7 +383,10 @@ def build_tasks(manager: Any, names: List[str], num_fewshot: Optional[int]) -> L
     documents are counted first (check_fewshot)."""
     built = []
     for name in names:
-        loaded = manager.load(name)
+        try:
+            loaded = manager.load(name)
+        except (TypeError, ValueError) as e:  # lm-eval reads a YAML's values as it builds ("temperature: hot")
+            raise UsageError(f"--tasks: lm-eval cannot build {name} ({first_line(e)})") from None
         members = {child for group in loaded["groups"].values() for child in group.child_names}
         built += [item for key, item in {**loaded["groups"], **loaded["tasks"]}.items() if key not in members]
         for task in loaded["tasks"].values():

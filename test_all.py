@@ -49,6 +49,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 import flax.linen as nn
+import huggingface_hub
 import hypothesis
 import hypothesis.strategies as st
 import jax
@@ -4018,6 +4019,49 @@ def test_ctrl_c_ends_the_run_where_python_or_jax_would_hide_it(where):
     assert proc.stderr.strip().splitlines() == ["interrupted: nothing partial was written"]
 
 
+TRAINING = ["gpt/train/pretrain", "--steps", "1", "--n-layers", "1", "--n-embd", "32", "--quiet"]
+BAD_TRAINING = [  # (options, words of the error): each refused before a step or a rollout
+    (["--lr", "nan"], "--lr must be"), (["--lr", "-0.001"], "--lr must be"), (["--lr", "inf"], "--lr must be"),
+    (["--lr", "0"], "--lr must be"), (["--min-lr-ratio", "1.5"], "--min-lr-ratio must be in [0, 1]"),
+    (["--weight-decay", "nan"], "--weight-decay must be"), (["--weight-decay", "-1"], "--weight-decay must be"),
+    (["--warmup", "-3"], "--warmup must be at least 0"), (["--eval-every", "-1"], "--eval-every must be at least 0"),
+    (["--n-embd", "30", "--n-head", "4"], "n_head 4 does not divide n_embd 30"),
+    (["--n-layers", "100000000"], "memory available"),
+    (["--seq-len", "100000000"], "--seq-len", "memory available")]
+
+
+def test_training_options_that_cannot_be_right_are_refused_before_anything_runs(ckpt, tmp_path, capsys, monkeypatch):
+    """A learning rate that is NaN, infinite, negative or 0 (NaN trained to the end, then the
+    weights were blamed), other non-finite or impossible values, sizes no checkpoint can hold,
+    batches that cannot fit in 16 GB (the RL stage's --ptx-rows 200000 ran 30 s into a
+    traceback asking for 243 GB), --out the checkpoint that --init names: exit 2 and one line,
+    nothing trained, nothing written. A batch that XLA finds beyond memory all the same ends
+    in one line too."""
+    monkeypatch.setattr(gpt, "available_memory", lambda: 16 * 10**9)
+    rl = ["gpt/train/rl", "--init", str(ckpt), "--steps", "1", "--quiet"]
+    cases = [(TRAINING + args + ["--out", str(tmp_path / f"p{i}")], words) for i, (args, *words) in enumerate(BAD_TRAINING)]
+    cases += [(rl + args + ["--out", str(tmp_path / f"r{i}")], words) for i, (args, *words) in enumerate([
+        (["--lr", "nan"], "--lr must be"), (["--lr", "-1e-3"], "--lr must be"), (["--ptx", "nan"], "--ptx must be"),
+        (["--ptx", "-0.1"], "--ptx must be"), (["--warmup", "-1"], "--warmup must be at least 0"),
+        (["--weight-decay", "inf"], "--weight-decay must be"),
+        (["--ptx", "0.1", "--ptx-rows", "200000"], "--ptx-rows 200000", "memory available")])]
+    before = files_of(ckpt)
+    cases += [(rl + ["--out", out], ["--out", "is the checkpoint --init names"]) for out in (ckpt, f"{ckpt}/", ckpt / ".")]
+    for args, words in cases:
+        assert jobs.main(args) == 2, args
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and all(word in lines[0] for word in words), (args, lines)
+    assert files_of(ckpt) == before and sorted(p.name for p in tmp_path.iterdir()) == []
+
+    def out_of_memory(trainer):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 242790897320 bytes.")
+    monkeypatch.setattr(train.BaseTrainer, "train", out_of_memory)
+    assert jobs.main(TRAINING + ["--out", str(tmp_path / "oom")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: out of memory while training (JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory allocating "
+        "242790897320 bytes.); a smaller batch would fit (--batch-size, --micro-batch-size, --seq-len, --ptx-rows)"]
+
+
 def test_killed_training_leaves_a_loadable_checkpoint(tmp_path):
     out = tmp_path / "train"
     env = child_env(1)
@@ -4035,6 +4079,37 @@ def test_killed_training_leaves_a_loadable_checkpoint(tmp_path):
     mesh = gpt.make_mesh(1, 1, devices=jax.devices()[:1])
     model, variables, config = jobs.load_checkpoint(str(out), mesh)
     assert config["step"] >= 2 and model.n_embd == 32
+
+
+# `python jobs.py gpt/train/pretrain ARGS` sent SIGTERM right after its second checkpoint's
+# model.safetensors is renamed into place, before its config.json is
+SIGTERM_BETWEEN_CHECKPOINT_FILES = r"""
+import os, signal, sys
+import jobs
+replace, renamed = os.replace, []
+
+def replace_then_sigterm(source, target):
+    replace(source, target)
+    renamed.append(os.path.basename(target))
+    if renamed.count("model.safetensors") == 2 and renamed[-1] == "model.safetensors":
+        os.kill(os.getpid(), signal.SIGTERM)
+
+os.replace = replace_then_sigterm
+sys.exit(jobs.main(["gpt/train/pretrain", *sys.argv[1:]]))
+"""
+
+
+def test_a_signal_between_a_checkpoints_files_leaves_the_new_checkpoint_whole(tmp_path):
+    """SIGTERM between the renames of a checkpoint's weights and its config.json (which said
+    step 2 beside the weights of step 4): it waits for the last rename, so the checkpoint is
+    the new one whole, and no temporary is left."""
+    out = tmp_path / "train"
+    proc = subprocess.run([sys.executable, "-c", SIGTERM_BETWEEN_CHECKPOINT_FILES, "--out", str(out), "--steps", "6",
+                           "--ckpt-every", "2", "--batch-size", "4", "--seq-len", "32", "--n-layers", "1", "--n-embd",
+                           "32", "--quiet"], cwd=ROOT, env=child_env(1), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 143 and messages(proc.stderr) == ["terminated: nothing partial was written"], proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert json.loads((out / "config.json").read_text())["step"] == 4
 
 
 # ---- trust under misuse: a finished run is known by what it computed, an interrupted one
@@ -4127,8 +4202,14 @@ def test_an_interrupted_run_resumes_and_ends_as_an_uninterrupted_one(ckpt, tmp_p
     assert sorted(files_of(out)) == ["results.json", "samples.jsonl"]  # the kept results are gone
 
 
-FINGERPRINT = {"model": {"checkpoint": "org/tiny", "commit": "a" * 40, "files": {}}, "datasets": {"docs": {"sha256": "1"}},
-               "options": {"seed": 0}}
+FINGERPRINT = {"model": {"checkpoint": "org/tiny", "commit": "a" * 40, "files": {}},
+               "datasets": {"docs": {"kind": "acc", "sha256": "1"}}, "options": {"seed": 0}}
+
+
+def acc_records(start, *correct):
+    """Records of the evaluation "docs" (acc) from sample `start`, as a run writes them: a
+    document of 4 tokens each, `correct` of them right."""
+    return [{"eval": "docs", "index": start + i, "score": c / 4, "correct": c, "tokens": 4} for i, c in enumerate(correct)]
 
 
 def test_the_journal_keeps_whole_records_of_its_own_fingerprint_only(tmp_path):
@@ -4137,16 +4218,16 @@ def test_the_journal_keeps_whole_records_of_its_own_fingerprint_only(tmp_path):
     spec = jobs.ExecutionSpec("gpt/evaluate", out_dir=str(tmp_path))
     path = spec.path(evaluate.JOURNAL_FILE)
     journal = evaluate.Journal(spec, FINGERPRINT)
-    journal.append("docs", 0, [{"score": 1.0}])
-    journal.append("docs", 32, [{"score": 2.0}, {"score": 3.0}])
+    journal.append("docs", 0, acc_records(0, 1))
+    journal.append("docs", 32, acc_records(32, 2, 3))
     journal.close()
     whole = path.read_bytes()
     path.write_bytes(whole + evaluate.frame(b'{"eval": "docs", "start": 64, "records": []}')[:-5])  # a kill mid-append
     journal = evaluate.Journal(spec, FINGERPRINT)
-    assert journal.get("docs", 0, 1) == [{"score": 1.0}] and journal.get("docs", 32, 2) == [{"score": 2.0}, {"score": 3.0}]
+    assert journal.get("docs", 0, 1) == acc_records(0, 1) and journal.get("docs", 32, 2) == acc_records(32, 2, 3)
     assert path.read_bytes() == whole and journal.get("docs", 32, 3) is None and journal.get("docs", 64, 0) is None
     journal.close()
-    path.write_bytes(whole.replace(b"3.0", b"4.0"))  # a changed byte fails its record's checksum
+    path.write_bytes(whole.replace(b'"correct": 3', b'"correct": 4'))  # a changed byte fails its record's checksum
     assert list(evaluate.Journal(spec, FINGERPRINT).pieces) == [("docs", 0)]
     for where, value in [("options", {"seed": 1}), ("datasets", {"docs": {"sha256": "2"}}),
                          ("model", {**FINGERPRINT["model"], "commit": "b" * 40})]:
@@ -4268,6 +4349,142 @@ def test_a_killed_lm_eval_run_resumes_from_its_journal(ckpt, tmp_path):
     assert not (tmp_path / "killed" / evaluate.JOURNAL_FILE).exists()
 
 
+@pytest.fixture(scope="module")
+def journaled(ckpt, tmp_path_factory):
+    """A run of the four kinds killed once every piece was journaled (pieces of 8 samples at
+    batch size 1: two an evaluation), with what it kept in .resume.json removed so that a
+    resumed run reads every evaluation from the journal; and the same run never killed.
+    (arguments but --out, the killed run's directory, its journal's payloads, the whole run's directory)"""
+    tmp = tmp_path_factory.mktemp("journaled")
+    data = {"ppl": [{"text": f"the {i} dogs see a cat. " * (1 + i % 3)} for i in range(9)] + [{"text": ""}],
+            "mc": [{"context": f"{i}+{i}=", "choices": [str(2 * i), str(i)], "gold": 0} for i in range(10)],
+            "gen": [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(10)],
+            "acc": [{"text": f"abc{i}|abc{i}"} for i in range(10)]}
+    args = ["--ckpt", ckpt, *sum([["--data", f"{kind}:{write_jsonl(tmp / f'{kind}.jsonl', rows)}"]
+                                  for kind, rows in data.items()], []),
+            "--max-new-tokens", "3", "--log-samples", "--batch-size", "1", "--quiet"]
+    killed = subprocess.run([sys.executable, "-c", KILLER, "final", "0", *map(str, args), "--out", str(tmp / "killed")],
+                            capture_output=True, text=True, env=driver_env(), cwd=ROOT)
+    assert killed.returncode == 9, killed.stderr[-2000:]
+    (tmp / "killed" / evaluate.RESUME_FILE).unlink()
+    whole, = cli_many(args + ["--out", tmp / "whole"])
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    payloads, _ = evaluate.read_frames((tmp / "killed" / evaluate.JOURNAL_FILE).read_bytes())
+    assert len(payloads) == 9, payloads  # the header, and two pieces of each evaluation
+    return args, tmp / "killed", payloads, tmp / "whole"
+
+
+def with_journal(killed, target, payloads):
+    """A copy of the killed run's directory whose journal holds `payloads`, each checksummed."""
+    shutil.copytree(killed, target)
+    (target / evaluate.JOURNAL_FILE).write_bytes(b"".join(evaluate.frame(json.dumps(p).encode()) for p in payloads))
+    return target
+
+
+def tampered(payloads, position, change):
+    """The payloads, with change(payload) applied to a copy of the one at `position`."""
+    payloads = copy.deepcopy(payloads)
+    change(payloads[position])
+    return payloads
+
+
+def test_journal_records_of_another_shape_are_dropped_with_what_follows(journaled, tmp_path):
+    """A checksum says a record is whole, not that this version wrote it: a piece whose "eval"
+    is a list, one whose records are strings (as many as its samples), one holding a NaN
+    score (the sweep's three), one whose perplexity is not its nll's, one whose multiple
+    choice predicts a choice it has not. Each is dropped with the pieces after it, as a torn
+    one is (the file cut there), and the run resumes from those before it, ending as the run
+    never killed; before, two were tracebacks and the NaN was refused at every try."""
+    args, killed, payloads, whole = journaled
+    position = {p["eval"]: n for n, p in reversed(list(enumerate(payloads))) if n}  # each evaluation's first piece
+    nan_score = lambda p: p["records"][1].update(score=math.nan)
+    cases = {"eval-list": (position["mc"] + 1, lambda p: p.update(eval=[p["eval"]])),
+             "strings": (position["gen"], lambda p: p.update(records=["x"] * len(p["records"]))),
+             "nan": (position["acc"], nan_score),
+             "perplexity": (1, lambda p: p["records"][0].update(score=p["records"][0]["score"] * 2)),
+             "prediction": (position["mc"], lambda p: p["records"][0].update(pred=7))}
+    spec = jobs.ExecutionSpec("gpt/evaluate", out_dir=str(tmp_path / "read"))
+    with_journal(killed, tmp_path / "read", tampered(payloads, position["acc"], nan_score))
+    journal = evaluate.Journal(spec, payloads[0]["fingerprint"])
+    journal.close()
+    assert list(journal.pieces) == [(p["eval"], p["start"]) for p in payloads[1:position["acc"]]]
+    assert evaluate.read_frames((tmp_path / "read" / evaluate.JOURNAL_FILE).read_bytes())[0] == payloads[:position["acc"]]
+    outcomes = cli_many(*(args + ["--out", with_journal(killed, tmp_path / name, tampered(payloads, n, change))]
+                          for name, (n, change) in cases.items()))
+    for (name, (n, _)), proc in zip(cases.items(), outcomes):
+        assert proc.returncode == 0, (name, proc.returncode, proc.stderr[-2000:])
+        assert without_timing(tmp_path / name) == without_timing(whole), name
+        assert files_of(tmp_path / name)["samples.jsonl"] == files_of(whole)["samples.jsonl"], name
+
+
+def test_a_resume_file_of_another_shape_is_ignored(journaled, tmp_path):
+    """.resume.json has no checksum: one of this run's fingerprint whose evaluations are not
+    what a run keeps (a field missing, which was a KeyError traceback; results that are no
+    object; a NaN value; a record of another sample) is ignored, and the run reads the
+    journal instead, ending as the run never killed."""
+    args, killed, payloads, whole = journaled
+    fingerprint = payloads[0]["fingerprint"]
+    good = {"kind": "mc", "value": 0.5, "stderr": 0.1, "scores": [0.0, 1.0], "metrics": {"skipped": 0}, "records": []}
+    record = {"eval": "mc", "index": 1, "score": 1.0, "loglik": [-1.0, -2.0], "pred": 0, "gold": 0, "acc_norm": 1.0}
+    cases = {"missing": {"mc": {"kind": "mc"}}, "list": [good], "nan": {"mc": {**good, "value": math.nan}},
+             "record": {"mc": {**good, "records": [record]}}}
+    outs = []
+    for name, results in cases.items():
+        out = with_journal(killed, tmp_path / name, payloads)
+        (out / evaluate.RESUME_FILE).write_text(json.dumps({"fingerprint": fingerprint, "results": results}))
+        outs.append(args + ["--out", out])
+    for name, proc in zip(cases, cli_many(*outs)):
+        assert proc.returncode == 0, (name, proc.returncode, proc.stderr[-2000:])
+        assert without_timing(tmp_path / name) == without_timing(whole), name
+
+
+JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=4),
+                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
+                                                                                       max_size=3), max_leaves=6)
+
+
+@st.composite
+def reshaped(draw, payloads):
+    """The payloads with one changed in shape: its fields (or one of its records' fields)
+    replaced by others of any JSON values, one of them set to any JSON value or removed (the
+    names this version writes among them), or any JSON value, or a piece of any records,
+    added after it as a record of its own."""
+    payloads = copy.deepcopy(payloads)
+    position = draw(st.integers(0, len(payloads) - 1))
+    target = payloads[position]
+    if position and draw(st.booleans()):
+        target = draw(st.sampled_from(target["records"]))
+    names = sorted(target) + ["eval", "start", "records", "requests", "index", "score", "skipped", "zz"]
+    how = draw(st.sampled_from(["replace", "set", "remove", "insert"]))
+    if how == "insert":
+        payloads.insert(position + 1, draw(JSON_VALUES | st.fixed_dictionaries(
+            {"eval": st.sampled_from(["ppl", "mc", "lm-eval loglikelihood", "lm-eval generate_until"]),
+             "start": st.integers(0, 9), "records": st.lists(JSON_VALUES, max_size=3)})))
+    elif how == "replace":
+        target.clear()
+        target.update(draw(st.dictionaries(st.sampled_from(names), JSON_VALUES, max_size=4)))
+    elif how == "set":
+        target[draw(st.sampled_from(names))] = draw(JSON_VALUES)
+    else:
+        target.pop(draw(st.sampled_from(names)), None)
+    return payloads
+
+
+@fuzz_settings(12)
+@hypothesis.given(data=st.data())
+def test_any_well_checksummed_journal_resumes_or_is_dropped_cleanly(journaled, data):
+    """Journals whose records are whole and checksummed but of any shape: the run resumes
+    from what it can read, computes the rest, and ends as a run does (exit 0, every sample
+    scored), never in a traceback or a refusal."""
+    args, killed, payloads, _ = journaled
+    changed = data.draw(reshaped(payloads))
+    with tempfile.TemporaryDirectory() as tmp:
+        out = with_journal(killed, Path(tmp) / "o", changed)
+        status, err = main_in_process(*args, "--out", out)
+        assert status == 0, err
+        assert json.loads((out / "results.json").read_text())["n_samples"] == {"ppl": 9, "mc": 10, "gen": 10, "acc": 10}
+
+
 def test_results_and_samples_are_replaced_together_or_not_at_all(ckpt, tmp_path):
     """A full disk (file size capped) while writing samples.jsonl, then while writing
     results.json: the previous pair stays as it was, the error names the file, and no
@@ -4334,8 +4551,9 @@ BAD_MODEL_FIELDS = [  # (field, value, words of the error)
 
 def test_bad_native_checkpoints_are_refused_before_anything_is_built(ckpt, tmp_path):
     """Every config.json field checked for presence, type and range; absurd sizes refused at
-    once from an estimate of the parameter bytes; weights that are not floats, or that the
-    model does not use, refused."""
+    once from an estimate of the parameter bytes; weights that are not floats, that the
+    model does not use, or that two files without an index both hold (the last file's were
+    read), refused."""
     cases = [(with_model_config(ckpt, tmp_path / f"f{i}", lambda c, n=name, v=value: c["model"].update({n: v})),
               ["config.json", words]) for i, (name, value, words) in enumerate(BAD_MODEL_FIELDS)]
     cases += [(with_model_config(ckpt, tmp_path / "nomodel", lambda c: c.pop("model")), ['no "model"']),
@@ -4350,6 +4568,10 @@ def test_bad_native_checkpoints_are_refused_before_anything_is_built(ckpt, tmp_p
                       ["ln_f/scale", f"dtype {np.dtype(dtype)}"]))
     cases.append((with_tensors(ckpt, tmp_path / "extra", lambda t: t.update({"extra/w": np.ones(3, np.float32)})),
                   ["does not use", "extra/w"]))
+    twice = tmp_path / "twice"  # two files without an index, both holding a tensor: which did the user mean?
+    shutil.copytree(ckpt, twice)
+    save_file({"ln_f/scale": np.full(64, 2.0, np.float32)}, str(twice / "more.safetensors"))
+    cases.append((twice, ["'ln_f/scale'", "model.safetensors", "more.safetensors", "no index"]))
     outcomes = cli_many(*(["--ckpt", path, "--evals", "grammar", "--limit", "2", "--out", tmp_path / "o"]
                           for path, _ in cases))
     for (path, needles), proc in zip(cases, outcomes):
@@ -4489,6 +4711,29 @@ def test_hub_ids_resolve_offline_through_the_cache(hf_gpt2, tmp_path, monkeypatc
     assert fetched == set(listing[:10])
 
 
+def test_a_cached_commit_resolves_without_asking_the_hub(hf_gpt2, tmp_path, monkeypatch):
+    """Without HF_HUB_OFFLINE and without a network, a commit the cache holds resolves from it
+    at once (its listing was asked for, five times over twenty seconds, printing each retry);
+    a branch is still asked for (it moves), and falls back on the cache's ref as before; a
+    commit the cache lacks goes to the hub, which cannot be reached: one line."""
+    cache = tmp_path / "cache"
+    hub_cache(cache, "org/tiny", {MAIN: hf_gpt2}, {"main": MAIN})
+    monkeypatch.setattr(hf.hub_constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(hf.hub_constants, "HF_HUB_OFFLINE", False)
+    asked = []
+
+    def unreachable(self, repo_id, *args, **kwargs):
+        asked.append(kwargs.get("revision"))
+        raise huggingface_hub.errors.OfflineModeIsEnabled("no network")
+    monkeypatch.setattr(huggingface_hub.HfApi, "repo_info", unreachable)
+    monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_tree", unreachable)
+    assert hf.resolve_checkpoint(f"org/tiny@{MAIN}").hub["commit"] == MAIN and asked == []
+    assert hf.resolve_checkpoint("org/tiny").hub["commit"] == MAIN and asked == ["main"]
+    with pytest.raises(UsageError, match="the hub cannot be reached"):
+        hf.resolve_checkpoint(f"org/tiny@{TAGGED}")
+    assert asked == ["main", TAGGED]
+
+
 def test_a_hub_id_scores_as_its_snapshot_and_records_its_commit(hf_gpt2, tmp_path):
     """--ckpt ORG/NAME through an offline cache gives the snapshot directory's scores; the
     commit goes into results.json and the fingerprint, so a branch that moved is another run."""
@@ -4508,6 +4753,83 @@ def test_a_hub_id_scores_as_its_snapshot_and_records_its_commit(hf_gpt2, tmp_pat
     assert named["fingerprint"]["model"]["commit"] == MAIN and named["checkpoint"] == "org/tiny"
     assert named["fingerprint"]["model"]["files"] == direct["fingerprint"]["model"]["files"]
     assert_usage_error(moved, "holds another run", "model.commit: 'aaaa")
+
+
+@pytest.fixture(scope="module")
+def hostile_cache(hf_gpt2, tmp_path_factory):
+    """A HuggingFace cache beside a model folder outside it (x/outside_model) and a file naming
+    that folder (x/outside_ref), as the hostile sweep laid them out: org/tiny's refs hold a
+    commit (main), the outside path (evil), a path climbing out of snapshots/ (climb); its
+    snapshot TAGGED is a link to the outside folder (linked); org/evil's main names the
+    outside folder too."""
+    tmp = tmp_path_factory.mktemp("hostile")
+    outside = tmp / "x" / "outside_model"
+    shutil.copytree(hf_gpt2, outside)
+    (tmp / "x" / "outside_ref").write_text(str(outside))
+    root = hub_cache(tmp / "cache", "org/tiny", {MAIN: hf_gpt2},
+                     {"main": MAIN, "evil": str(outside), "climb": "../../../x/outside_model", "linked": TAGGED})
+    (root / "snapshots" / TAGGED).symlink_to(outside)
+    hub_cache(tmp / "cache", "org/evil", {}, {"main": str(outside)})
+    return tmp
+
+
+def climbing_revision(tmp):
+    """A revision that walks from the cache's refs/ up to x/outside_ref (the sweep's case)."""
+    return "../" * 12 + str(tmp / "x" / "outside_ref").lstrip("/")
+
+
+def assert_inside_snapshots(node, tmp):
+    """A resolved hub id is a folder snapshots/COMMIT of its model's cache folder, links followed."""
+    snapshots = (tmp / "cache" / "models--org--tiny" / "snapshots").resolve()
+    assert Path(node.path).resolve().parent == snapshots and re.fullmatch("[0-9a-f]{40}", node.hub["commit"])
+    assert Path(node.path).resolve().name == node.hub["commit"]
+
+
+def test_a_hub_revision_never_leads_out_of_the_cache(hostile_cache, monkeypatch):
+    """A revision holding '..' (the sweep's, which reached a file naming a model outside the
+    cache), a ref whose content is a path out of the cache, a snapshot that links elsewhere:
+    each refused in one line, and through the command line nothing is evaluated (exit 2)."""
+    tmp = hostile_cache
+    monkeypatch.setattr(hf.hub_constants, "HF_HUB_CACHE", str(tmp / "cache"))
+    refused = {f"org/tiny@{climbing_revision(tmp)}": "is not a branch, a tag or a commit",
+               "org/tiny@..": "is not a branch, a tag or a commit", "org/tiny@refs/../main": "is not a branch",
+               "org/tiny@/main": "is not a branch", "org/tiny@caf\u00e9": "is not a branch",
+               "org/tiny@evil": "not a snapshot folder", "org/tiny@climb": "not a snapshot folder",
+               "org/tiny@linked": "not a snapshot folder", f"org/tiny@{TAGGED}": "not a snapshot folder",
+               "org/evil": "not a snapshot folder"}
+    for text, needle in refused.items():
+        with pytest.raises(UsageError, match=re.escape(needle)):
+            hf.resolve_checkpoint(text)
+    assert_inside_snapshots(hf.resolve_checkpoint("org/tiny@main"), tmp)
+    data = write_jsonl(tmp / "p.jsonl", [{"text": "the cat sees the dog."}])
+    outcomes = cli_many(*(["--ckpt", text, "--data", f"ppl:{data}", "--out", tmp / "o"]
+                          for text in [f"org/tiny@{climbing_revision(tmp)}", "org/evil"]),
+                        env={"HF_HUB_CACHE": str(tmp / "cache")})
+    for proc in outcomes:
+        assert_usage_error(proc, "--ckpt org/", out=tmp / "o")
+
+
+REVISION_PIECES = ["main", "v1", "refs", "pr", "1", "evil", "climb", "linked", "..", ".", "", "~", "x", "outside_ref",
+                   "outside_model", "snapshots", "models--org--tiny", "caf\u00e9", "\u202e", "a" * 300, MAIN, TAGGED]
+
+
+@fuzz_settings(200)
+@hypothesis.given(pieces=st.lists(st.one_of(st.sampled_from(REVISION_PIECES), st.text(max_size=4)), max_size=14),
+                  absolute=st.booleans())
+def test_any_revision_is_refused_or_resolved_inside_the_cache(hostile_cache, monkeypatch, pieces, absolute):
+    """Revisions drawn from a grammar of path pieces ('..', '.', empty, names of refs and of
+    the folders around the cache, unicode, very long) joined by '/': each is refused
+    (UsageError: one line) or resolves to a snapshot folder inside the cache."""
+    monkeypatch.setattr(hf.hub_constants, "HF_HUB_CACHE", str(hostile_cache / "cache"))
+    revision = ("/" if absolute else "") + "/".join(pieces)
+    try:
+        node = hf.resolve_checkpoint(f"org/tiny@{revision}")
+    except UsageError:
+        return
+    if node.hub is None:  # no hub id (an empty revision): a local path, which does not exist
+        assert node.path == f"org/tiny@{revision}" and not os.path.lexists(node.path)
+        return
+    assert_inside_snapshots(node, hostile_cache)
 
 
 def test_bad_dataset_lines_are_refused_naming_file_and_line(ckpt, tmp_path):
@@ -4794,8 +5116,10 @@ def test_lm_eval_tasks_that_cannot_run_fail_with_one_line(hf_gpt2, tmp_path):
     """Exit 2 and one line, not a traceback: a task whose `!function` names no module, more
     few-shot examples than a task has (lm-eval itself stops in random.sample), a chat
     template that raises (again without the system turn), a continuation the tokenizer
-    joins to its context, a task sampling at a temperature that overflows float32. The
-    other libraries' progress bars are off, so that stderr holds only our line."""
+    joins to its context, a task sampling at a temperature that overflows float32, a task
+    asking for fewer than one new token (-3 was a traceback from jax; lm-eval's HF model
+    fails on 0 in transformers' generate) or for a number of them, or a temperature, that is
+    no number. The other libraries' progress bars are off, so that stderr holds only our line."""
     task_dir = tmp_path / "tasks"
     task_dir.mkdir()
     context, joined = joined_pair(HFTokenizer(str(hf_gpt2)))
@@ -4812,6 +5136,10 @@ def test_lm_eval_tasks_that_cannot_run_fail_with_one_line(hf_gpt2, tmp_path):
     task("glued", glued, target_delimiter="")
     task("sampled", output_type="generate_until", metric_list=[{"metric": "exact_match"}],
          generation_kwargs={"until": ["\n"], "do_sample": True, "temperature": 1e-40, "max_gen_toks": 4})
+    for name, kwargs in [("negative", {"max_gen_toks": -3}), ("none", {"max_gen_toks": 0}),
+                         ("wordy", {"max_gen_toks": "many"}), ("hot", {"do_sample": True, "temperature": "hot"})]:
+        task(name, output_type="generate_until", metric_list=[{"metric": "exact_match"}],
+             generation_kwargs={"until": ["\n"], **kwargs})
     (task_dir / "missing.yaml").write_text("task: missing\ndataset_path: json\ndataset_name: null\n"
                                            f"dataset_kwargs:\n  data_files:\n    test: {qa}\ntest_split: test\n"
                                            "output_type: loglikelihood\ndoc_to_text: q\ndoc_to_target: a\n"
@@ -4827,7 +5155,11 @@ def test_lm_eval_tasks_that_cannot_run_fail_with_one_line(hf_gpt2, tmp_path):
              (["--ckpt", chat, "--tasks", "few", "--apply-chat-template"],
               ["--apply-chat-template: the tokenizer's chat template fails", "no user turns here"]),
              (["--ckpt", hf_gpt2, "--tasks", "glued"], [f"the continuation {joined!r} adds no token to the context"]),
-             (["--ckpt", hf_gpt2, "--tasks", "sampled"], ["temperature must be 0 (greedy) or in [1e-06, inf)"])]
+             (["--ckpt", hf_gpt2, "--tasks", "sampled"], ["temperature must be 0 (greedy) or in [1e-06, inf)"]),
+             (["--ckpt", hf_gpt2, "--tasks", "negative"], ["a task asks for -3 new tokens (max_gen_toks)", "at least 1"]),
+             (["--ckpt", hf_gpt2, "--tasks", "none"], ["a task asks for 0 new tokens (max_gen_toks)", "at least 1"]),
+             (["--ckpt", hf_gpt2, "--tasks", "wordy"], ["generation_kwargs", "'many'"]),
+             (["--ckpt", hf_gpt2, "--tasks", "hot"], ["lm-eval cannot build hot", "'hot'"])]
     outcomes = cli_many(*(args + run for args, _ in cases),
                         env={"TQDM_DISABLE": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"})
     for (_, needles), proc in zip(cases, outcomes):

@@ -69,6 +69,46 @@ class TrainConfig:
         micro = self.micro_batch_size or self.batch_size
         if micro < 1 or self.batch_size % micro:
             raise UsageError(f"--batch-size {self.batch_size} is not a multiple of --micro-batch-size {micro}")
+        check_optimizer_options(self)
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise UsageError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+        rows = f"--micro-batch-size {micro}" if self.micro_batch_size else f"--batch-size {micro}"
+        check_batch_fits(self.model(), micro, self.seq_len, f"{rows} and --seq-len {self.seq_len}")
+
+    def model(self) -> gpt.GPT:
+        """The GPT these options make, checked as a checkpoint's config.json is: no checkpoint
+        of a width its heads do not divide could be read back, nor one beyond memory built."""
+        fields = dict(n_layers=self.n_layers, n_embd=self.n_embd, n_head=self.n_head, rope=self.rope,
+                      block_size=max(self.seq_len, gpt.GPT.block_size))
+        return jobs.check_model_fields(fields, "--n-layers, --n-embd, --n-head and --seq-len")
+
+
+def check_optimizer_options(cfg: Any) -> None:
+    """Options that cannot be right, refused before anything runs: a learning rate that is not
+    above 0 and finite (NaN trained to the end into NaN weights, a negative one climbs the
+    loss), weight decay below 0 or not finite, a negative count of steps (--warmup, --eval-every)."""
+    if not 0 < cfg.lr < math.inf:
+        raise UsageError(f"--lr must be above 0 and finite, got {cfg.lr}")
+    if not 0 <= cfg.weight_decay < math.inf:
+        raise UsageError(f"--weight-decay must be at least 0 and finite, got {cfg.weight_decay}")
+    for name in ("warmup", "eval_every"):
+        if getattr(cfg, name) < 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 0, got {getattr(cfg, name)}")
+
+
+def check_batch_fits(model: gpt.GPT, rows: int, length: int, options: str) -> None:
+    """Refuse a training batch that cannot fit, before it is built, as evaluate.py refuses its
+    batches: at least the float32 input of each layer's matmuls, kept for the backward pass,
+    and the logits and their gradient, of this process's rows, against the memory available.
+    XLA holds several times more, so this refuses only what cannot fit; a batch between the
+    two ends in one line when XLA runs out (BaseTrainer.run)."""
+    m = model
+    per_token = m.n_layers * (2 * m.n_embd + m.n_head * m.head_width + m.mlp_width) + 2 * m.vocab_size
+    needed = np.dtype(np.float32).itemsize * -(-rows // jax.process_count()) * length * per_token
+    free = gpt.available_memory()
+    if needed > free:
+        raise UsageError(f"{options}: a training batch of {rows} x {length} tokens needs at least "
+                         f"{gpt.gigabytes(needed)}, more than the {gpt.gigabytes(free)} of memory available")
 
 
 # ----------------------------------------------------------------------------- data
@@ -113,8 +153,7 @@ class BaseTrainer:
         self.spec, self.base = spec, base
         self.cfg: TrainConfig = spec.cfg or TrainConfig()
         self.mesh = spec.make_mesh()
-        self.model = gpt.GPT(n_layers=self.cfg.n_layers, n_embd=self.cfg.n_embd, n_head=self.cfg.n_head,
-                             rope=self.cfg.rope, block_size=max(self.cfg.seq_len, gpt.GPT.block_size))
+        self.model = self.cfg.model()
         self.variables = gpt.init_params(self.model, self.mesh, spec.seed)
         self.tokenizer = ByteTokenizer()
         self.step = 0
@@ -170,6 +209,11 @@ class BaseTrainer:
         try:
             with jax.set_mesh(self.mesh):  # traced under the mesh, as InferenceJob's kernels (gpt.rows_at_a_time)
                 self.train()
+        except jax.errors.JaxRuntimeError as e:  # a batch beyond check_batch_fits' estimate, yet beyond memory
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            raise UsageError(f"out of memory while training ({jobs.first_line(e)}); a smaller batch would fit "
+                             "(--batch-size, --micro-batch-size, --seq-len, --ptx-rows)") from None
         finally:
             if lock is not None:
                 lock.release()
@@ -303,6 +347,11 @@ class RLConfig:
             raise UsageError(f"--temperature must be in [{MIN_TEMPERATURE:g}, inf): the rollouts are sampled")
         if not 0 <= self.seed <= jobs.MAX_SEED:
             raise UsageError(f"--seed must be in [0, {jobs.MAX_SEED}] (what the PRNG takes), got {self.seed}")
+        check_optimizer_options(self)
+        if not 0 <= self.ptx < math.inf:
+            raise UsageError(f"--ptx must be at least 0 and finite, got {self.ptx}")
+        if Path(self.out).resolve() == Path(self.init).resolve():  # its checkpoints would overwrite the start
+            raise UsageError(f"--out {self.out} is the checkpoint --init names; choose another --out")
         check_processes(self)
 
 
@@ -379,6 +428,9 @@ class ReinforceTrainer(BaseTrainer):
         if rows % self.mesh.shape["batch"] or self.cfg.ptx and self.cfg.ptx_rows % self.mesh.shape["batch"]:
             raise UsageError(f"--prompts x --samples ({rows}) and, with --ptx, --ptx-rows ({self.cfg.ptx_rows}) must "
                              f"be multiples of the mesh's batch size {self.mesh.shape['batch']}")
+        if self.cfg.ptx:
+            check_batch_fits(self.model, self.cfg.ptx_rows, min(self.PTX_LEN, self.model.block_size),
+                             f"--ptx-rows {self.cfg.ptx_rows}")
 
     def optimizer(self) -> optax.GradientTransformation:
         c = self.cfg
