@@ -8,8 +8,8 @@
 Reading order: the four kinds of evaluation (each turns samples into requests for
 inference.InferenceJob and its results into scores) -> the options -> Evaluator (runs the
 evaluations, saves results), Evaluate, BackboneEvaluate -> fingerprint and resume (what a
-run computed; the evaluations an interrupted run finished; the journal of the pieces of
-them it finished, which a killed run leaves) -> JSONL datasets and the option
+run computed; the evaluations an interrupted run finished; the journal of the inference
+core's windows it finished, which a killed run leaves) -> JSONL datasets and the option
 checks -> the command line. How requests run on the mesh is inference.py; lm-eval's tasks
 are tasks.py; HuggingFace directories are read by hf.py.
 """
@@ -36,7 +36,7 @@ from jax.experimental import multihost_utils
 
 import gpt
 from hf import load_backbone, resolve_checkpoint  # load_backbone: the reference API has it here too
-from inference import (MIN_TEMPERATURE, SORT_WINDOW, GenerationRequest, InferenceJob, PlanError, RequestError,
+from inference import (MIN_TEMPERATURE, GenerationRequest, InferenceJob, PlanError, RequestError,
                        Request, Scored, per_document)
 from jobs import (MAX_SEED, ByteTokenizer, ExecutionSpec, HFTokenizer, Node, UsageError, builtin_items,
                   checkpoint_files, exit_status, file_digest, is_checkpoint_file, is_eval_item, job, lean_cpu_schedules,
@@ -127,7 +127,7 @@ class DatasetEvaluation(Evaluation):
     def records(self, inference: InferenceJob, encoding: Any, keep_rows: bool, samples: Iterable[Tuple[int, Any]],
                 **kwargs: Any) -> Iterator[Tuple[Dict[str, Any], Any]]:
         """Yield (record, rows run for it) per sample of `samples`, (index, sample) pairs in
-        dataset order that can be iterated twice (the whole dataset, or a piece of it)."""
+        dataset order that can be iterated twice."""
 
     def score(self, records: List[Dict[str, Any]]) -> List[float]:
         return [r["score"] for r in records]
@@ -147,18 +147,14 @@ class DatasetEvaluation(Evaluation):
         stderr = float(scores.std(ddof=1) / math.sqrt(len(scores))) if len(scores) > 1 else 0.0
         return float(scores.mean()), stderr, {}
 
-    def result(self, inference: InferenceJob, encoding: Any, keep_rows: bool = False,
-               journal: Optional[Journal] = None, **kwargs: Any) -> Result:
-        """Every sample's record, the aggregate and its standard error. With a `journal`
-        (the command line's), computed in pieces, each piece the journal lacks appended to it
-        as it ends, and those it holds read from it (see Journal)."""
-        if journal is None:
-            pairs = self.records(inference, encoding, keep_rows, Enumerated(self.dataset), **kwargs)
-        else:
-            pairs = self.journaled_records(inference, encoding, journal, **kwargs)
+    def result(self, inference: InferenceJob, encoding: Any, keep_rows: bool = False, **kwargs: Any) -> Result:
+        """Every sample's record, the aggregate and its standard error."""
+        pairs = self.records(inference, encoding, keep_rows, Enumerated(self.dataset), **kwargs)
         records, rows = [], []
         for record, row in inference.progress(pairs, self.name, len(self)):
-            self.check_finite(record)
+            field = non_finite(record)
+            if field is not None:  # NaN would be no score at all, and no JSON in samples.jsonl
+                raise self.non_finite_error(field, record["index"])
             records.append(record)
             if keep_rows:
                 rows.append(row)
@@ -171,33 +167,6 @@ class DatasetEvaluation(Evaluation):
             raise UsageError(f"evaluation {self.name}: non-finite score (broken weights?)")
         metrics["skipped"] = len(records) - len(scored)
         return Result(self.name, self.kind, value, stderr, scores, records, metrics, rows)
-
-    def check_finite(self, record: Dict[str, Any]) -> None:
-        """NaN would be no score at all, and no JSON in samples.jsonl: refused, naming the sample."""
-        field = non_finite(record)
-        if field is not None:
-            raise self.non_finite_error(field, record["index"])
-
-    def journaled_records(self, inference: InferenceJob, encoding: Any, journal: Journal,
-                          **kwargs: Any) -> Iterator[Tuple[Dict[str, Any], None]]:
-        """The records of each piece of journal.piece_size(len(self)) samples: the journal's where
-        it holds the piece, else computed and appended to it. The pieces are the same in a run
-        and in the run that resumes it, so a piece computes what it did in either."""
-        stream, size, start = enumerate(self.dataset), journal.piece_size(len(self)), 0
-        while True:
-            samples = list(itertools.islice(stream, size))  # the last, empty, ends the stream (its checks run)
-            if not samples:
-                return
-            records = journal.get(self.name, start, len(samples))
-            if records is None:
-                records = [record for record, _ in self.records(inference, encoding, False, samples, **kwargs)]
-                for record in records:  # before it is journaled: a retry would read it back
-                    self.check_finite(record)
-                journal.append(self.name, start, records)
-            elif inference.report is not None:
-                inference.report.advance(len(samples), 0)
-            yield from ((record, None) for record in records)
-            start += len(samples)
 
     def __call__(self, inference, encoding, reduce="mean", return_intermediates=False, **kwargs):
         """reduce: "mean" -> the aggregate (token-weighted for ppl/acc), "sum" -> sum of the
@@ -353,7 +322,7 @@ class RolloutEvaluation(DatasetEvaluation):
                 top_p=1.0, seed=0, **kwargs):
         requests = (GenerationRequest(index, encoding.encode(s["prompt"]) or [inference.prefix_id],
                                       tuple(s.get("until", self.stop)))
-                    for index, s in samples)  # a sampled token's key is its document's index: any piece
+                    for index, s in samples)  # a sampled token's key is its document's index
         outputs = inference.generate_until(requests, max_new_tokens or self.max_new_tokens, temperature,
                                            top_p, seed, keep_rows)
         for (index, sample), (_, out) in zip(samples, outputs):
@@ -576,8 +545,8 @@ class Evaluator(InferenceJob):
         1. what this run computes against what --out holds: this run, finished, is not redone;
            another run's results are refused unless --force; an interrupted try resumes;
         2. every evaluation not yet finished, each kept in RESUME_FILE as it finishes, and the
-           pieces of each in the Journal as they finish;
-        3. --tasks through lm-eval, last, its requests journaled in pieces too (tasks.JaxLM);
+           inference core's windows of each in the Journal as they finish;
+        3. --tasks through lm-eval, last, its requests' windows journaled too;
         4. results.json and samples.jsonl, written together (process 0)."""
         with refused_as_usage(), out_dir_held(self.spec):  # no other run writes there meanwhile
             fingerprint = run_fingerprint(self)  # 1
@@ -587,28 +556,34 @@ class Evaluator(InferenceJob):
                 return
             if previous.kept:
                 self.say(f"resuming: {', '.join(previous.kept)} kept from an interrupted try of this run")
-            started, journal = time.time(), Journal(self.spec, fingerprint, self.batch_size * SORT_WINDOW)
+            started = time.time()
+            journal = self.recorder = Journal(self.spec, fingerprint) if journaling() else None
             try:
-                if journal.pieces:
-                    self.say(f"resuming: {len(journal.pieces)} piece(s) of "
-                             f"{', '.join(dict.fromkeys(name for name, _ in journal.pieces))} from the journal")
-                results = self.run_evaluations(previous.kept, fingerprint, journal)  # 2
-                tasks = run_tasks(self, self.spec, self.cfg, self.say, journal) if self.cfg.tasks else {}  # 3
+                if journal is not None and journal.windows:
+                    scopes = dict.fromkeys(call.rsplit("/", 2)[0] for call in journal.windows)
+                    self.say(f"resuming: {sum(map(len, journal.windows.values()))} window(s) of "
+                             f"{', '.join(scopes)} from the journal")
+                results = self.run_evaluations(previous.kept, fingerprint)  # 2
+                self.scope = "lm-eval"
+                tasks = run_tasks(self, self.spec, self.cfg, self.say) if self.cfg.tasks else {}  # 3
             finally:
-                journal.close()
+                self.recorder = None
+                if journal is not None:
+                    journal.close()
             if self.spec.is_main:  # 4
                 self.write_results(results, fingerprint, time.time() - started, tasks)
 
-    def run_evaluations(self, kept: Dict[str, Any], fingerprint: Dict[str, Any], journal: Journal) -> List[Result]:
+    def run_evaluations(self, kept: Dict[str, Any], fingerprint: Dict[str, Any]) -> List[Result]:
         """Each evaluation's Result, in order: kept ones as they were, the others computed
-        piece by piece through the journal, the finished ones kept after each (not after the
-        last, unless tasks follow); a table."""
+        (their calls named by the evaluation, for the journal), the finished ones kept after
+        each (not after the last, unless tasks follow); a table."""
         results = []
         for position, evaluation in enumerate(self.evaluations):
             if evaluation.name in kept:
                 results.append(kept[evaluation.name])
                 continue
-            results.append(evaluation.result(self, self.tokenizer, journal=journal, **self.decoding()))
+            self.scope = evaluation.name
+            results.append(evaluation.result(self, self.tokenizer, **self.decoding()))
             if position + 1 < len(self.evaluations) or self.cfg.tasks:
                 keep_finished(self, results, fingerprint)
         if results and self.spec.is_main:  # the others hold None for the evaluations process 0 kept
@@ -702,7 +677,7 @@ class BackboneEvaluate(Evaluator):
 UNSCORED_OPTIONS = ("out", "batch_size", "mesh", "chunks", "quiet", "force", "coordinator", "num_processes",
                     "process_id", "ckpt", "data", "no_compile_cache")
 RESUME_FILE = ".resume.json"  # the finished evaluations of an unfinished run, beside results.json
-JOURNAL_FILE = ".journal"  # the finished pieces of the evaluations of an unfinished run (Journal)
+JOURNAL_FILE = ".journal"  # the finished windows of requests of an unfinished run (Journal)
 OUTPUT_FILES = ("results.json", "samples.jsonl", RESUME_FILE, JOURNAL_FILE)
 # where a run killed with SIGKILL can have left temporaries (jobs.write_temporary's names)
 STALE_TEMPORARIES = tuple(f".{name}.*.tmp" for name in OUTPUT_FILES) + ("lm_eval/*/.*.tmp",)
@@ -828,7 +803,7 @@ def previous_run(evaluator: Evaluator, fingerprint: Dict[str, Any]) -> Previous:
 def read_previous(spec: ExecutionSpec, fingerprint: Dict[str, Any], force: bool) -> Previous:
     """Finished when results.json holds this very run; else the results an interrupted try
     of it kept. Another run's results.json is refused unless `force`, or unless a try of
-    this run was let in before (it kept results, or journaled pieces)."""
+    this run was let in before (it kept results, or journaled windows)."""
     done = spec.path("results.json")
     kept = read_kept(spec.path(RESUME_FILE), fingerprint)
     if force or not os.path.lexists(done):
@@ -908,24 +883,19 @@ def is_kept(name: str, kept: Any, kinds: Dict[str, Any]) -> bool:
             and all(is_record(record, kept["kind"], name, i) for i, record in enumerate(records)))
 
 
-# A run journals its work piece by piece, so that a kill at any instant (SIGKILL, power loss)
-# costs at most the pieces under way: each evaluation is cut into pieces of consecutive
-# samples, the same cut in every run of the same fingerprint, and each piece's records are
-# appended to the journal as it ends. A resumed run reads the pieces back instead of
-# computing them; every piece it computes is computed as the first try computed it (the
-# same requests together), so it ends with the same bytes as a run never interrupted.
+# A run journals its work window by window, so that a kill at any instant (SIGKILL, power
+# loss) costs at most the windows under way: the inference core tells the journal each window
+# of requests it finishes (inference.Recorder), with its results, and a resumed run's core
+# takes them back instead of computing them. The windows are the core's own, so a run plans
+# the same blocks with a journal or without, and a resumed one plans what is left as the
+# first try did: it ends with the same bytes as a run never interrupted.
 
-JOURNAL_PIECES = 32  # an evaluation is cut into at most this many pieces (more where it is small)
-JOURNAL_FORMAT = "gpt-eval-journal-v1"
+JOURNAL_FORMAT = "gpt-eval-journal-v2"
 
 
-def journal_piece(samples: int, window: int) -> int:
-    """The samples in each piece (the last may hold fewer) of an evaluation of `samples`: a
-    whole number of the inference job's windows (the requests it sorts and batches together,
-    batch size x inference.SORT_WINDOW), so that pieces cut no batch short that the windows
-    do not already cut (pieces of 32 samples at batch size 8 made the built-in suite 25%
-    slower), and at most JOURNAL_PIECES of them."""
-    return -(-samples // (JOURNAL_PIECES * window)) * window or window
+def journaling() -> bool:
+    """Whether runs journal their work (GPT_EVAL_JOURNAL=0: not, for a benchmark's comparison)."""
+    return os.environ.get("GPT_EVAL_JOURNAL") != "0"
 
 
 def frame(payload: bytes) -> bytes:
@@ -961,10 +931,11 @@ def read_frames(data: bytes, wanted: Callable[[int, Any], bool] = lambda positio
     return payloads, end
 
 
-# A piece's records as this version writes them: beside "eval" (the piece's) and "index"
-# (the sample's), each kind's fields, each with the check its value passes. A checksum says
-# that a record is whole, not that this version wrote it: a record of another shape would
-# end a resumed run in a traceback, or (a NaN) refuse it at every try.
+# What this version writes, checked before it is read back: a journal's windows (is_window)
+# and RESUME_FILE's records (is_record: beside "eval" and "index", each kind's fields, each
+# with the check its value passes). A checksum says that a record is whole, not that this
+# version wrote it: one of another shape would end a resumed run in a traceback, or (a NaN)
+# refuse it at every try.
 def number(value: Any) -> bool:
     """A finite float, or an integer that a float holds exactly (numpy sums them as floats);
     true is no number."""
@@ -992,11 +963,6 @@ RECORD_FIELDS = {
             "truncated": lambda v: type(v) is bool},
 }
 SKIPPED = {"skipped": True, "score": None}  # a rolling kind's document of no token
-# lm-eval's answers, by request type (tasks.JaxLM): (log-likelihood, is_greedy), a log-likelihood, a text
-ANSWERS = {"lm-eval loglikelihood": lambda a: type(a) is list and len(a) == 2 and number(a[0]) and type(a[1]) is bool,
-           "lm-eval loglikelihood_rolling": number, "lm-eval generate_until": lambda a: type(a) is str}
-
-
 def is_record(record: Any, kind: Optional[str], name: str, index: int) -> bool:
     """Whether `record` is sample `index`'s of evaluation `name`, of its kind, as written."""
     if type(record) is not dict or record.get("eval") != name or record.get("index") != index:
@@ -1015,19 +981,30 @@ def is_record(record: Any, kind: Optional[str], name: str, index: int) -> bool:
     return kind != "mc" or max(fields["pred"], fields["gold"]) < len(fields["loglik"])
 
 
-def is_piece(payload: Any, kinds: Dict[str, Any]) -> bool:
-    """Whether `payload` is a piece as Journal.append writes it, of an evaluation of this run
-    (`kinds`: name -> kind, from its fingerprint) or of lm-eval's requests (with their hash)."""
-    if type(payload) is not dict or not {"eval", "start", "records"} <= payload.keys() <= {
-            "eval", "start", "records", "requests"}:
+def is_result(kind: str, fields: Any) -> bool:
+    """Whether `fields` is one result of a call of `kind` as inference.as_fields writes it:
+    (log-probability, tokens, correct ones), or (text, token ids, truncated)."""
+    if type(fields) is not list or len(fields) != 3:
         return False
-    name, start, records = payload["eval"], payload["start"], payload["records"]
-    if type(name) is not str or not count(start) or type(records) is not list:
+    if kind == "generate_until":
+        text, tokens, truncated = fields
+        return type(text) is str and type(tokens) is list and all(map(count, tokens)) and type(truncated) is bool
+    logprob, tokens, correct = fields
+    return number(logprob) and count(tokens) and count(correct) and correct <= tokens
+
+
+CALL = re.compile(r"(.*)/(loglikelihood|loglikelihood_rolling|generate_until)/(0|[1-9][0-9]*)")  # InferenceJob.call_name
+
+
+def is_window(payload: Any) -> bool:
+    """Whether `payload` is a window as Journal.add writes it: a call, the digest of its
+    requests, and its results, one or more."""
+    if type(payload) is not dict or payload.keys() != {"call", "digest", "results"}:
         return False
-    if name in ANSWERS:
-        return type(payload.get("requests")) is str and all(map(ANSWERS[name], records))
-    return ("requests" not in payload and name in kinds
-            and all(is_record(r, kinds[name], name, start + i) for i, r in enumerate(records)))
+    call, digest, results = payload["call"], payload["digest"], payload["results"]
+    match = CALL.fullmatch(call) if type(call) is str else None
+    return (match is not None and type(digest) is str and re.fullmatch("[0-9a-f]{64}", digest) is not None
+            and type(results) is list and bool(results) and all(is_result(match[2], r) for r in results))
 
 
 def dataset_kinds(fingerprint: Dict[str, Any]) -> Dict[str, Any]:
@@ -1036,9 +1013,8 @@ def dataset_kinds(fingerprint: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def journal_shape(header: Dict[str, Any]) -> Callable[[int, Any], bool]:
-    """What a journal of `header` holds (read_frames' `wanted`): that header, then pieces."""
-    kinds = dataset_kinds(header["fingerprint"])
-    return lambda position, payload: payload == header if position == 0 else is_piece(payload, kinds)
+    """What a journal of `header` holds (read_frames' `wanted`): that header, then windows."""
+    return lambda position, payload: payload == header if position == 0 else is_window(payload)
 
 
 def journal_holds(path: Path, fingerprint: Dict[str, Any]) -> bool:
@@ -1054,22 +1030,23 @@ MAX_HEADER_BYTES = 16 << 20  # a fingerprint lists a few files and options: neve
 
 
 class Journal:
-    """DIR/.journal while a run goes on: its first record the run's fingerprint, then one per
-    finished piece, {"eval", "start", "records"} (see frame). Each append is fsynced before
-    the run goes on. One of another fingerprint is never read: it is replaced. A record that
-    is not a piece of the shape this version writes (is_piece) is dropped with everything
-    after it, as a torn one is. Process 0 reads and writes it; in a multi-process run the
-    others get what it read from it. window: the samples the inference job sorts and
-    batches together, of which a piece holds a whole number (journal_piece)."""
+    """DIR/.journal while a run goes on, the run's inference.Recorder: its first record the
+    run's fingerprint, then one per window the inference core finished, {"call", "digest",
+    "results"} (see frame), each fsynced before the run goes on. One of another fingerprint
+    is never read: it is replaced. A record that is not a window of the shape this version
+    writes (is_window) is dropped with everything after it, as a torn one is. Process 0
+    reads and writes it; in a multi-process run the others get what it read from it."""
 
-    def __init__(self, spec: ExecutionSpec, fingerprint: Dict[str, Any], window: int = 1):
-        self.spec, self.fd, self.window = spec, None, window
+    def __init__(self, spec: ExecutionSpec, fingerprint: Dict[str, Any]):
+        self.spec, self.fd, self.refused = spec, None, set()
         header = {"format": JOURNAL_FORMAT, "fingerprint": fingerprint}
         data = self._open(header) if spec.is_main else b""
         if jax.process_count() > 1:
             data = broadcast_bytes(data)
         payloads, _ = read_frames(data, journal_shape(header))
-        self.pieces = {(p["eval"], p["start"]): p for p in payloads[1:]}
+        self.windows: Dict[str, List[Tuple[str, List[Any]]]] = {}
+        for window in payloads[1:]:
+            self.windows.setdefault(window["call"], []).append((window["digest"], window["results"]))
 
     def _open(self, header: Dict[str, Any]) -> bytes:
         """Open the journal for appending, this run's (cut after its last whole record of the
@@ -1086,29 +1063,25 @@ class Journal:
             end = len(data)
         self.fd = os.open(path, os.O_WRONLY)
         if end < len(data):
-            os.ftruncate(self.fd, end)  # a record cut short by a kill (or not a piece), dropped before any other follows
+            os.ftruncate(self.fd, end)  # a record cut short by a kill (or not a window), dropped before any other follows
         os.lseek(self.fd, end, os.SEEK_SET)
         return data[:end]
 
-    def piece_size(self, count: int) -> int:
-        return journal_piece(count, self.window)
+    def kept(self, call: str) -> List[Tuple[str, List[Any]]]:
+        """The call's windows journaled by an earlier try: (digest of its requests, results)."""
+        return list(self.windows.get(call, []))
 
-    def get(self, name: str, start: int, count: int, requests: Optional[str] = None) -> Optional[List[Any]]:
-        """The records of the piece of `count` samples from `start`, if journaled whole (and,
-        where the piece was journaled with its `requests` digest, for the same requests)."""
-        piece = self.pieces.get((name, start))
-        if piece is None or piece.get("requests") != requests:
-            return None
-        records = piece["records"]
-        return records if isinstance(records, list) and len(records) == count else None
-
-    def append(self, name: str, start: int, records: List[Any], requests: Optional[str] = None) -> None:
-        """A finished piece, on disk (fsync) before the run goes on (process 0)."""
-        piece = {"eval": name, "start": start, "records": records, **({"requests": requests} if requests else {})}
-        self.pieces[(name, start)] = piece
+    def add(self, call: str, digest: str, results: List[Any]) -> None:
+        """A finished window, on disk (fsync) before the run goes on (process 0). One with a
+        NaN or an infinity is not journaled, nor any later window of its call: the run
+        refuses its scores, and a retry should compute them again, not read them back."""
+        kind = call.rsplit("/", 2)[1]
+        if call in self.refused or not all(is_result(kind, fields) for fields in results):
+            self.refused.add(call)
+            return
         if self.fd is None:
             return
-        left = memoryview(frame(json.dumps(piece).encode()))
+        left = memoryview(frame(json.dumps({"call": call, "digest": digest, "results": results}).encode()))
         try:
             with signals_held():  # Ctrl-C and SIGTERM wait for the record; SIGKILL cuts it (read_frames)
                 while left:

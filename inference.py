@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import itertools
+import json
 import sys
 import time
 from typing import Any, Callable, Dict, Iterable, Iterator, List, NamedTuple, Optional, Protocol, Sequence, Tuple
@@ -130,6 +132,34 @@ def per_document(results: Iterable[Tuple[Request, Scored]]) -> Iterator[List[Sco
     """Results of requests in document order -> one list per document (regrouped by tag)."""
     for _, group in itertools.groupby(results, key=lambda pair: pair[0].doc):
         yield [scored for _, scored in group]
+
+
+class Recorder(Protocol):
+    """A run's record of finished work (evaluate.Journal), which the core only informs and
+    reads back: each window of a call's requests, once computed, is added with its results
+    (`add`); a call of a resumed run first takes back the windows its first try finished
+    (`kept`), as long as their requests are the same, and computes the rest from there. A
+    window is the core's own unit of planning (InferenceJob.in_blocks, generate_until), so a
+    resumed call plans what is left exactly as the first try did, and a run plans the same
+    with a recorder or without one."""
+
+    def kept(self, call: str) -> List[Tuple[str, List[Any]]]:
+        """The call's windows recorded so far, in order: (digest of its requests, results)."""
+
+    def add(self, call: str, digest: str, results: List[Any]) -> None:
+        """One more window of the call, computed: its requests' digest and its results."""
+
+
+def window_digest(requests: List[Any], settings: Tuple[Any, ...]) -> str:
+    """What a window asked: its requests (token ids, documents, stop strings) and settings."""
+    return hashlib.sha256(json.dumps([list(settings), [list(r) for r in requests]]).encode()).hexdigest()
+
+
+def as_fields(result: Any) -> List[Any]:
+    """A Scored or a Generation as a recorder keeps it (the row, kept only on request, is not)."""
+    if isinstance(result, Scored):
+        return [result.logprob, result.tokens, result.correct]
+    return [result.text, result.tokens, result.truncated]
 
 
 def rolling_requests(tokens: List[int], prefix_id: int, max_len: int) -> List[Tuple[List[int], List[int]]]:
@@ -545,6 +575,9 @@ class InferenceJob:
         self.blocks_run: List[Tuple[int, int, int, int]] = []
         self.rollouts_run: List[DecodeRun] = []
         self.report: Optional[Progress] = None
+        self.recorder: Optional[Recorder] = None  # a run's journal, which the finished windows go to
+        self.scope = ""  # what the calls are for (an evaluation's name): with a count, a call's name
+        self.calls: Dict[Tuple[str, str], int] = collections.Counter()
 
     # --- sizes, padding, placement
 
@@ -638,13 +671,13 @@ class InferenceJob:
         return batches
 
     def in_blocks(self, packs: Iterable[Pack], run_block: Callable[..., List[List[Scored]]],
-                  fill: bool) -> Iterator[Tuple[Pack, List[Scored]]]:
-        """(pack, its requests' Scored) in pack order; run_block(packs, chunks, rows, length,
-        width) runs one block of at most self.chunks batches. A window of SORT_WINDOW
-        blocks' packs is filled into rows (fill_rows; with fill False a row each) and sorted
-        by length at a time, so memory does not grow with the dataset. A document is
-        reported done (self.report) when its last request has run; one that goes on in the
-        next window, when that part has."""
+                  fill: bool) -> Iterator[List[Tuple[Pack, List[Scored]]]]:
+        """Each window's [(pack, its requests' Scored)], in pack order; run_block(packs,
+        chunks, rows, length, width) runs one block of at most self.chunks batches. A window
+        of SORT_WINDOW blocks' packs is filled into rows (fill_rows; with fill False a row
+        each) and sorted by length at a time, so memory does not grow with the dataset. A
+        document is reported done (self.report) when its last request has run; one that goes
+        on in the next window, when that part has."""
         packs = iter(packs)
         size = self.batch_size * self.chunks * SORT_WINDOW
         window = list(itertools.islice(packs, size))
@@ -669,7 +702,7 @@ class InferenceJob:
                 docs = [q.doc for r in picked for q in merged[r].requests]
                 left.subtract(docs)
                 self.advance(sum(left[doc] == 0 for doc in set(docs)), real)
-            yield from zip(window, results)
+            yield list(zip(window, results))
             window = following
 
     def advance(self, documents: int, tokens: int) -> None:
@@ -794,6 +827,36 @@ class InferenceJob:
                                      jax.jit(refill, donate_argnums=1))
         return self._generators[key]
 
+    # --- a run's record of the finished windows (Recorder)
+
+    def call_name(self, kind: str) -> str:
+        """A call's name for the recorder: the scope, the request type, and how many calls of
+        that type the scope made before (a run makes its calls in the same order every time)."""
+        number = self.calls[self.scope, kind]
+        self.calls[self.scope, kind] += 1
+        return f"{self.scope}/{kind}/{number}"
+
+    def replayed(self, call: str, requests: Iterator[Any], settings: Tuple[Any, ...],
+                 result: Callable[..., Any]) -> Tuple[List[Tuple[Any, Any]], Iterator[Any]]:
+        """(request, result) of each window of `call` the recorder kept, as long as its
+        requests are the ones coming (a window that differs ends them), and the requests
+        left to compute, which start where a window of the first try started."""
+        pairs: List[Tuple[Any, Any]] = []
+        for digest, results in (self.recorder.kept(call) if self.recorder is not None else []):
+            window = list(itertools.islice(requests, len(results)))
+            if len(window) < len(results) or window_digest(window, settings) != digest:
+                requests = itertools.chain(window, requests)
+                break
+            pairs += zip(window, (result(*fields) for fields in results))
+        self.advance(len({r.doc for r, _ in pairs}), 0)
+        return pairs, requests
+
+    def finished(self, call: str, settings: Tuple[Any, ...], pairs: List[Tuple[Any, Any]]) -> List[Tuple[Any, Any]]:
+        """A window's (request, result) pairs, told to the recorder first."""
+        if self.recorder is not None:
+            self.recorder.add(call, window_digest([r for r, _ in pairs], settings), [as_fields(x) for _, x in pairs])
+        return pairs
+
     # --- the three request types
 
     def loglikelihood(self, requests: Iterable[Request], keep_rows: bool = False) -> Iterator[Tuple[Request, Scored]]:
@@ -809,11 +872,18 @@ class InferenceJob:
                                        f"the context of {self.max_len}")
                 yield r
 
-        packs = pack_requests(checked(requests), self.max_len, self.share_contexts)
-        results = self.in_blocks(packs, lambda *block: self.score_packs(*block, keep_rows=keep_rows),
-                                 fill=self.share_contexts and not keep_rows)
-        for pack, scored in results:
-            yield from zip(pack.requests, scored)
+        return self.scored(checked(requests), keep_rows, "loglikelihood")
+
+    def scored(self, requests: Iterable[Request], keep_rows: bool, kind: str) -> Iterator[Tuple[Request, Scored]]:
+        """loglikelihood's (request, Scored) pairs: the windows the recorder kept, then each
+        other window's once it has run, told to the recorder."""
+        call = self.call_name(kind)
+        kept, requests = self.replayed(call, iter(requests), (), Scored)
+        yield from kept
+        packs = pack_requests(requests, self.max_len, self.share_contexts)
+        for window in self.in_blocks(packs, lambda *block: self.score_packs(*block, keep_rows=keep_rows),
+                                     fill=self.share_contexts and not keep_rows):
+            yield from self.finished(call, (), [pair for pack, scored in window for pair in zip(pack.requests, scored)])
 
     def score_packs(self, packs: List[Pack], chunks: int, rows: int, length: int, width: int,
                     keep_rows: bool) -> List[List[Scored]]:
@@ -858,7 +928,7 @@ class InferenceJob:
         requests = (Request(doc, context, continuation) for doc, tokens in enumerate(documents)
                     for context, continuation in rolling_requests(tokens, self.prefix_id, self.max_len)
                     or [([self.prefix_id], [])])
-        return per_document(self.loglikelihood(requests, keep_rows))
+        return per_document(self.scored(requests, keep_rows, "loglikelihood_rolling"))
 
     def generate_until(self, requests: Iterable[GenerationRequest], n_new: int, temperature: float = 0.0,
                        top_p: float = 1.0, seed: Optional[int] = None,
@@ -871,7 +941,9 @@ class InferenceJob:
         if room < 1:
             raise RequestError(f"--max-new-tokens {n_new} leaves no room in the context of {self.max_len}")
         seed = self.seed if seed is None else seed
-        requests = iter(requests)
+        call, settings = self.call_name("generate_until"), (n_new, temperature, top_p, seed)
+        kept, requests = self.replayed(call, iter(requests), settings, Generation)
+        yield from kept
         while window := list(itertools.islice(requests, self.batch_size * SORT_WINDOW)):
             order = sorted(range(len(window)), key=lambda i: -min(len(window[i].prompt), room))  # longest first
             queue = [window[i] for i in order]
@@ -882,7 +954,7 @@ class InferenceJob:
                                                 keep_rows)
                 for i, generation in zip(order[at:at + per_rollout], generations):
                     results[i] = generation
-            yield from zip(window, results)
+            yield from self.finished(call, settings, list(zip(window, results)))
 
     def decode_queue(self, queue: List[GenerationRequest], room: int, n_new: int, sampling: Tuple[float, float, int],
                      keep_rows: bool) -> List[Generation]:

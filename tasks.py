@@ -36,7 +36,7 @@ from jobs import ExecutionSpec, UsageError, first_line, short
 try:  # only --tasks needs lm-eval (these parts load in a fraction of a second)
     import jinja2  # a dependency of lm-eval (and of transformers' chat templates)
     import lm_eval
-    from lm_eval.api.model import TemplateLM, hash_args
+    from lm_eval.api.model import TemplateLM
     from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
     from lm_eval.utils import handle_non_serializable, hash_string, make_table, sanitize_list, sanitize_model_name
 except ImportError:
@@ -74,17 +74,14 @@ class JaxLM(TemplateLM):
     tokenizer behind it (jobs.HFTokenizer does): lm-eval reads its chat template and the
     text of its special tokens. Without one (the byte tokenizer) chat templates are refused.
 
-    With a `journal` (the command line's evaluate.Journal) each request type's requests are
-    answered piece by piece, as a run's own evaluations are: a piece the journal holds is
-    read from it, any other computed and journaled as it ends; every answer also goes
-    through lm-eval's cache hook (cache_hook.add_partial), as lm-eval's HF model sends it."""
+    Every answer goes through lm-eval's cache hook (cache_hook.add_partial), as lm-eval's HF
+    model sends it. (A run's journal sees the inference job's windows, as for any evaluation.)"""
 
     backend = "causal"
 
-    def __init__(self, inference: InferenceJob, max_gen_toks: int = 256, seed: int = 0, journal: Any = None):
+    def __init__(self, inference: InferenceJob, max_gen_toks: int = 256, seed: int = 0):
         super().__init__()
-        self.inference, self.encoding, self.seed, self.journal = inference, inference.tokenizer, seed, journal
-        self.first = 0  # the position of the requests answered in the whole call (a sampling key's index)
+        self.inference, self.encoding, self.seed = inference, inference.tokenizer, seed
         self._max_gen_toks = max_gen_toks  # lm-eval's HF model uses 256 when a task sets none
         # transformers' tokenizer where there is one: lm-eval reads its chat template and tokens
         self.tokenizer = getattr(inference.tokenizer, "tok", None)
@@ -150,25 +147,6 @@ class JaxLM(TemplateLM):
 
     # --- the three request types
 
-    def in_pieces(self, kind: str, requests: List[Any], answer: Callable[[List[Any]], List[Any]]) -> List[Any]:
-        """answer(requests), piece by piece through the journal where there is one (each
-        piece with lm-eval's hash of its requests, so only the very same requests reuse it),
-        every computed answer handed to lm-eval's cache hook."""
-        if self.journal is None:
-            return self.hooked(kind, requests, answer(requests))
-        answers, size = [], self.journal.piece_size(len(requests))
-        for start in range(0, len(requests), size):
-            piece = requests[start:start + size]
-            name, digest = f"lm-eval {kind}", hash_args(kind, [request.args for request in piece])
-            kept = self.journal.get(name, start, len(piece), digest)
-            if kept is None:
-                self.first = start
-                kept = self.hooked(kind, piece, answer(piece))
-                self.journal.append(name, start, kept, digest)
-            answers += [tuple(a) if isinstance(a, list) else a for a in kept]  # JSON keeps (logprob, greedy) as a list
-        self.first = 0
-        return answers
-
     def hooked(self, kind: str, requests: List[Any], answers: List[Any]) -> List[Any]:
         """`answers`, each first sent to lm-eval's cache hook (its CachingLM's store, where one
         wraps this model; a no-op otherwise), request by request as lm-eval's HF model does."""
@@ -179,8 +157,7 @@ class JaxLM(TemplateLM):
     def loglikelihood(self, requests: List[Any], disable_tqdm: bool = False) -> List[Tuple[float, bool]]:
         """TemplateLM's (it encodes each context and continuation), its bar off under --quiet."""
         quiet = disable_tqdm or self.inference.quiet
-        return self.in_pieces("loglikelihood", requests, lambda piece: super(JaxLM, self).loglikelihood(
-            piece, disable_tqdm=quiet))
+        return self.hooked("loglikelihood", requests, super().loglikelihood(requests, disable_tqdm=quiet))
 
     def _loglikelihood_tokens(self, requests: List[Tuple[Tuple[str, str], List[int], List[int]]],
                               disable_tqdm: bool = False, **kwargs: Any) -> List[Tuple[float, bool]]:
@@ -197,7 +174,7 @@ class JaxLM(TemplateLM):
         """The summed log-likelihood of each whole text, every token scored once after one
         prefix token. lm-eval's HF model lets a BOS-adding tokenizer add BOS as well and scores
         p(BOS | BOS) as the first token (its issue #3333); we add the prefix once."""
-        return self.in_pieces("loglikelihood_rolling", requests, self.rolling_answers)
+        return self.hooked("loglikelihood_rolling", requests, self.rolling_answers(requests))
 
     def rolling_answers(self, requests: List[Any]) -> List[float]:
         documents = (self.encoding.encode(request.args[0], add_special_tokens=False) for request in requests)
@@ -206,7 +183,7 @@ class JaxLM(TemplateLM):
         return [finite(sum(s.logprob for s in document)) for document in windows]
 
     def generate_until(self, requests: List[Any], disable_tqdm: bool = False) -> List[str]:
-        return self.in_pieces("generate_until", requests, self.generations)
+        return self.hooked("generate_until", requests, self.generations(requests))
 
     def generations(self, requests: List[Any]) -> List[str]:
         """Each request's continuation, cut at the first of its `until` strings (the EOS text
@@ -214,17 +191,17 @@ class JaxLM(TemplateLM):
         its stop strings, as lm-eval's HF model stops. Requests run in groups of one decoding
         setting, each group one rollout; prompts are cut from the left to max_length -
         max_gen_toks tokens, as lm-eval's HF model cuts them. Sampling keys come from the
-        seed and each request's position in the whole call (self.first: a piece's first), so
-        they depend neither on batch nor on mesh nor on the pieces."""
+        seed and each request's position in the call, so they depend neither on batch nor
+        on mesh."""
         settings = [self.decoding(gen_kwargs) for _, gen_kwargs in (request.args for request in requests)]
         texts = [""] * len(requests)
         for setting in sorted({s[:3] for s in settings}):  # (max_gen_toks, temperature, top_p)
             indices = [i for i, s in enumerate(settings) if s[:3] == setting]
-            group = (GenerationRequest(self.first + i, self.tok_encode(requests[i].args[0]) or [self.prefix_token_id],
+            group = (GenerationRequest(i, self.tok_encode(requests[i].args[0]) or [self.prefix_token_id],
                                        tuple(settings[i].until)) for i in indices)
             outputs = self.inference.generate_until(group, *setting, seed=self.seed)
             for request, generation in self.inference.progress(outputs, "generate_until", len(indices), "requests"):
-                i = request.doc - self.first
+                i = request.doc
                 texts[i] = postprocess_generated_text(generation.text, settings[i].until, None)
         return texts
 
@@ -324,13 +301,12 @@ def check_task_names(manager: Any, names: List[str], include_path: Optional[str]
         raise UsageError(f"--tasks: {unknown[0]!r} is not an lm-eval task, group or tag{where}")
 
 
-def run_tasks(inference: InferenceJob, spec: ExecutionSpec, cfg: Any, say: Callable[[str], None],
-              journal: Any = None) -> Dict[str, Any]:
+def run_tasks(inference: InferenceJob, spec: ExecutionSpec, cfg: Any, say: Callable[[str], None]) -> Dict[str, Any]:
     """--tasks through lm-eval: print its table, write its results file (and samples files),
     and return what results.json gains: its scores, the files' paths, its version. `cfg`
-    is the run's options (evaluate.EvaluatorConfig); `journal`, the run's (see JaxLM)."""
+    is the run's options (evaluate.EvaluatorConfig)."""
     started = time.time()
-    lm = JaxLM(inference, seed=cfg.seed, journal=journal)
+    lm = JaxLM(inference, seed=cfg.seed)
     out = evaluate_tasks(lm, cfg)
     say(make_table(out) + ("\n" + make_table(out, "groups") if "groups" in out else ""))
     template = lm.chat_template(True) if cfg.apply_chat_template else None
