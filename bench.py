@@ -6,7 +6,7 @@
     python bench.py --json           # one JSON object of every number instead of the table
     python bench.py --limits         # this project alone against the machine's limits (GPU/TPU)
     python bench.py --shapes --layers 30 --width 576 --heads 9 --kv-heads 3 --mlp-hidden 1536 \
-        --context 2048 --batch 16 --init-std 0.1   # the tasks people report, beside lm-eval (15-25 min)
+        --context 2048 --batch 16 --init-std 0.1   # the tasks people report, beside lm-eval (30-40 min)
     python bench.py --load DIR --dtype bfloat16   # loading a checkpoint: time and peak memory against `cat`
     python bench.py --make-fixture F   # on a CPU: a small model, data and this CPU's answers, for:
     python bench.py --gpu-report --device cuda --dtype bfloat16 --fixture F ...   # every GPU measurement,
@@ -36,11 +36,12 @@ What it does, in order:
 5. The float32 matmul peak (the best jitted square matmul of --matmul-sizes, raced with
    the scorers) turns FLOP/s into MFU.
 With --limits, only bench_limits runs: no transformers, no torch (see its docstring).
-With --shapes, only bench_shapes runs: MMLU-, hellaswag-, gsm8k-, gsm8k-CoT- and
-wikitext-shaped lm-eval tasks through this project's command line and through lm-eval's HF
-model, whole processes side by side, with the work each computed and a check that their
-answers agree. Our side runs twice: first with an empty persistent compilation cache, then
-the same command again, which loads its programs from the cache; the table counts the
+With --shapes, only bench_shapes runs: MMLU-shaped (0-shot and 5-shot), hellaswag-, gsm8k-,
+gsm8k-CoT- and wikitext-shaped lm-eval tasks through this project's command line and
+through lm-eval's HF model, whole processes side by side, with the work each computed and a
+check that their answers agree. Our side runs three times: first with an empty persistent
+compilation cache, then the same command again, which loads its programs from the cache,
+then with an empty cache and no journal (GPT_EVAL_JOURNAL=0); the table counts the
 programs each run compiled.
 With --gpu-report, the parts of --report-parts run, each in a process of its own (see
 gpu_report); with --make-fixture DIR, only make_fixture.
@@ -127,13 +128,14 @@ class BenchConfig:
     memory_tbps: float = option(0.0, "nominal memory bandwidth per device, e.g. 4.8 on an H200 (0: none)")
     shapes: bool = option(False, "benchmark shapes (MMLU, hellaswag, gsm8k, gsm8k-CoT, rolling perplexity) through "
                                  "this project's command line and lm-eval's HF model, a random Llama of --layers ...")
-    workloads: str = option("mmlu,hellaswag,gsm8k,gsm8k_cot,wikitext", "the --shapes workloads to run, in order")
+    workloads: str = option("mmlu0,mmlu,hellaswag,gsm8k,gsm8k_cot,wikitext", "the --shapes workloads to run, in order")
     workdir: str = option("", "where --shapes keeps its model and tasks, reused by a rerun (default: a temporary one)")
-    mmlu_questions: int = option(40, "--shapes: MMLU-style test questions")
+    mmlu_questions: int = option(40, "--shapes: MMLU-style test questions, 5-shot")
+    mmlu0_questions: int = option(100, "--shapes: MMLU-style test questions, 0-shot")
     hellaswag_items: int = option(80, "--shapes: hellaswag-style items")
     gsm8k_questions: int = option(32, "--shapes: gsm8k-style questions")
     max_gen_toks: int = option(256, "--shapes: new tokens at most per gsm8k-style answer (gsm8k's 256)")
-    wikitext_docs: int = option(60, "--shapes: documents of the rolling perplexity")
+    wikitext_docs: int = option(100, "--shapes: documents of the rolling perplexity")
     load: str = option("", "a checkpoint directory to time loading, with its peak memory, beside `cat` (bench_load)")
     gpu_report: bool = option(False, "every accelerator measurement in one prepared run (see --report-parts)")
     report_parts: str = option("device,ceilings,parity,qwen2-1.5b,shapes,smollm2",
@@ -687,6 +689,7 @@ def limits_table(cfg: BenchConfig, r: Dict[str, Any]) -> str:
 # few-shot choice and metrics) over JSONL data written here in the hub datasets' shapes.
 
 SHAPES = {  # workload -> (task, what it is)
+    "mmlu0": ("local_mmlu0", "MMLU-style, 0-shot, 4 one-token choices"),
     "mmlu": ("local_mmlu", "MMLU-style, 5-shot, 4 one-token choices"),
     "hellaswag": ("local_hellaswag", "hellaswag-style, 4 multi-token endings"),
     "gsm8k": ("local_gsm8k", "gsm8k-style, 5-shot generation until stop strings, --max-gen-toks new tokens"),
@@ -850,11 +853,15 @@ def write_task(task_dir: Path, name: str, include: str, splits: Dict[str, List[D
 
 
 def write_shape_tasks(cfg: BenchConfig, task_dir: Path, paragraphs: List[str]) -> List[str]:
-    """The five local tasks; returns the text they hold (the tokenizer learns from it too)."""
+    """The six local tasks; returns the text they hold (the tokenizer learns from it too)."""
     rng, lines = np.random.default_rng(cfg.seed), sentences(paragraphs[: len(paragraphs) // 2])
     mmlu = {"dev": mmlu_docs(rng, lines, 5), "test": mmlu_docs(rng, lines, cfg.mmlu_questions)}
+    description = "The following are multiple choice questions (with answers) about python.\n\n"
     write_task(task_dir, "local_mmlu", "mmlu/default/_default_template_yaml", mmlu, num_fewshot=5,
-               description="The following are multiple choice questions (with answers) about python.\n\n")
+               description=description)
+    mmlu0 = {"dev": mmlu["dev"], "test": mmlu_docs(rng, lines, cfg.mmlu0_questions)}
+    write_task(task_dir, "local_mmlu0", "mmlu/default/_default_template_yaml", mmlu0, num_fewshot=0,
+               description=description)
     hellaswag = {"train": hellaswag_docs(rng, lines, 4), "validation": hellaswag_docs(rng, lines, cfg.hellaswag_items)}
     write_task(task_dir, "local_hellaswag", "hellaswag/hellaswag.yaml", hellaswag)
     gsm8k = {"train": gsm8k_docs(rng, 8), "test": gsm8k_docs(rng, cfg.gsm8k_questions)}
@@ -867,7 +874,7 @@ def write_shape_tasks(cfg: BenchConfig, task_dir: Path, paragraphs: List[str]) -
     pages = wikitext_docs(rng, paragraphs[len(paragraphs) // 2:], cfg.wikitext_docs + 4)
     write_task(task_dir, "local_wikitext", "wikitext/wikitext.yaml",
                {"train": pages[:2], "validation": pages[2:4], "test": pages[4:]})
-    return [json.dumps(rows) for task in (mmlu, hellaswag, gsm8k) for rows in task.values()]
+    return [json.dumps(rows) for task in (mmlu, mmlu0, hellaswag, gsm8k) for rows in task.values()]
 
 
 def train_tokenizer(texts: List[str], vocab_size: int, path: Path) -> int:
@@ -906,7 +913,7 @@ def build_shapes(cfg: BenchConfig, workdir: Path, say: Callable[[str], None]) ->
     """The model directory and the task directory under workdir, made once per recipe (the
     options they depend on): a rerun with the same options reuses them."""
     recipe = {k: getattr(cfg, k) for k in ("layers", "width", "heads", "kv_heads", "mlp_hidden", "context", "vocab",
-                                            "init_std", "seed", "mmlu_questions", "hellaswag_items",
+                                            "init_std", "seed", "mmlu_questions", "mmlu0_questions", "hellaswag_items",
                                             "gsm8k_questions", "max_gen_toks", "wikitext_docs")}
     model_dir, task_dir, made = workdir / "model", workdir / "tasks", workdir / "recipe.json"
     if made.exists() and json.loads(made.read_text()) == recipe:
@@ -938,16 +945,17 @@ def run_side(command: List[str], cache: Path, env: Optional[Dict[str, str]] = No
 
 
 def run_ours(cfg: BenchConfig, built: Dict[str, Any], task: str, out: Path,
-             compile_cache: Path) -> Tuple[float, Dict[str, Any]]:
+             compile_cache: Path, journal: bool = True) -> Tuple[float, Dict[str, Any]]:
     """This project's side: its command line's job on the task, then its samples and scores,
     with its persistent compilation cache under `compile_cache` (empty: a first run), as
     XDG_CACHE_HOME: the default cache, with the default settings (JAX_COMPILATION_CACHE_DIR
-    would give jax's own, under which programs compiled in less than a second are not kept)."""
+    would give jax's own, under which programs compiled in less than a second are not kept);
+    journal False: GPT_EVAL_JOURNAL=0, the run journals nothing."""
     args = ["--ckpt", built["model"], "--tasks", task, "--include-path", built["tasks"], "--batch-size",
             str(cfg.batch), "--dtype", cfg.dtype, "--log-samples", "--bootstrap-iters", "0", "--out", str(out)]
     seconds, work = run_side([sys.executable, "-c", OUR_SIDE, *args], out / "datasets",
                              {"XDG_CACHE_HOME": str(compile_cache), "JAX_COMPILATION_CACHE_DIR": "",
-                              "GPT_EVAL_COMPILE_CACHE": "1"})
+                              "GPT_EVAL_COMPILE_CACHE": "1", "GPT_EVAL_JOURNAL": "1" if journal else "0"})
     files = json.loads((out / "results.json").read_text())["lm_eval"]
     samples = [json.loads(line) for line in (out / files["samples"][task]).read_text().splitlines()]
     results = json.loads((out / files["results"]).read_text())["results"][task]
@@ -1018,9 +1026,11 @@ def bench_shapes(cfg: BenchConfig, say: Callable[[str], None]) -> Dict[str, Any]
 
 def shape_workload(cfg: BenchConfig, built: Dict[str, Any], name: str, runs: Path,
                    say: Callable[[str], None]) -> Dict[str, Any]:
-    """One workload through lm-eval's HF model, then twice through this project's command
-    line (a first run, its compilation cache empty, then a second): the wall times, the
-    programs compiled, the work each computed and how far their answers agree."""
+    """One workload through lm-eval's HF model, then three times through this project's
+    command line (a first run, its compilation cache empty; a second, its programs loaded
+    from that cache; a first run with the journal off): the wall times, the programs
+    compiled, the work each computed and how far their answers agree. The blocks run are
+    the same with the journal and without (asserted)."""
     task = SHAPES[name][0]
     shutil.rmtree(runs, ignore_errors=True)
     say(f"{name}: lm-eval's HF model")
@@ -1030,8 +1040,12 @@ def shape_workload(cfg: BenchConfig, built: Dict[str, Any], name: str, runs: Pat
     our_s, ours = run_ours(cfg, built, task, runs / "ours", runs / "compile-cache")
     again_s, again = run_ours(cfg, built, task, runs / "again", runs / "compile-cache")
     assert again["samples"] == ours["samples"], f"{name}: a second run answers otherwise"
-    return {"hf_seconds": hf_s, "our_seconds": our_s, "second_seconds": again_s, "compiled": ours["compiled"],
-            "compiled_again": again["compiled"], **agreement(theirs, ours), **work_done(theirs, ours)}
+    say(f"{name}: this project, a first run with the journal off")
+    off_s, off = run_ours(cfg, built, task, runs / "off", runs / "compile-cache-off", journal=False)
+    assert off["blocks"] == ours["blocks"] and off["samples"] == ours["samples"], f"{name}: the journal changed the work"
+    return {"hf_seconds": hf_s, "our_seconds": our_s, "second_seconds": again_s, "no_journal_seconds": off_s,
+            "compiled": ours["compiled"], "compiled_again": again["compiled"], **agreement(theirs, ours),
+            **work_done(theirs, ours)}
 
 
 def shapes_table(cfg: BenchConfig, r: Dict[str, Any]) -> str:
@@ -1042,18 +1056,20 @@ def shapes_table(cfg: BenchConfig, r: Dict[str, Any]) -> str:
              f"machine: {os.cpu_count()} CPUs (load average {r['load'][0]:.1f} -> {r['load'][1]:.1f}); lm-eval's "
              f"HF model on {cfg.device}; batch {cfg.batch} for both; whole processes", "",
              f"  {'workload':10s} {'requests':>8s} {'lm-eval s':>9s} {'ours s':>7s} {'ratio':>6s} "
-             f"{'2nd s':>6s} {'ratio':>6s} {'compiled':>8s} {'tokens/request':>15s} {'decoding steps':>22s}  "
-             "agreement"]
+             f"{'2nd s':>6s} {'ratio':>6s} {'no journal':>10s} {'compiled':>8s} {'tokens/request':>15s} "
+             f"{'decoding steps':>22s}  agreement"]
     for name, w in r["shapes"]["workloads"].items():
         steps = (f"{w['hf_steps']:6d} {w['our_steps']:6d} ({w['needed_steps']})" if "hf_steps" in w else "-")
         compiled = f"{len(w['compiled'])} / {len(w['compiled_again'])}"
         lines.append(f"  {name:10s} {w['requests']:8d} {w['hf_seconds']:9.1f} {w['our_seconds']:7.1f} "
                      f"{w['hf_seconds'] / w['our_seconds']:5.2f}x {w['second_seconds']:6.1f} "
-                     f"{w['hf_seconds'] / w['second_seconds']:5.2f}x {compiled:>8s} {w['hf_tokens_per_request']:7.1f} "
+                     f"{w['hf_seconds'] / w['second_seconds']:5.2f}x {w['no_journal_seconds']:6.1f} "
+                     f"{w['our_seconds'] / w['no_journal_seconds'] - 1:+4.0%} {compiled:>8s} {w['hf_tokens_per_request']:7.1f} "
                      f"{w['our_tokens_per_request']:7.1f} {steps:>22s}  log-likelihoods within {w['max_rel']:.1e}, "
                      f"{w['identical']}/{w['compared']} answers identical, scores within {w['scores_rel']:.1e}")
     lines += ["", "  ours: a first run, its compilation cache empty; 2nd: the same command again, its programs "
-              "loaded from the cache; compiled: programs compiled by the first run / the second",
+              "loaded from the cache; no journal: a first run under GPT_EVAL_JOURNAL=0, and how much longer the "
+              "first run took; compiled: programs compiled by the first run / the second",
               "  tokens/request: lm-eval's, then ours; decoding steps: lm-eval's, ours (what the stop "
               "strings needed)", *(f"  {name}: {SHAPES[name][1]}" for name in r["shapes"]["workloads"]),
               "", "  programs the first run compiled:",
