@@ -4915,7 +4915,7 @@ def test_bad_options_are_refused_and_batch_sizes_pad_to_the_data(ckpt, tmp_path)
     # one long document among shorter ones (each too long to share a row), so that the first
     # batch (the longest rows first) is 1024 rows of 4,096 tokens
     long_docs = write_jsonl(tmp_path / "long.jsonl", [{"text": "x" * 4000}] + [{"text": f"{i} " + "x" * 300}
-                                                                                for i in range(32767)])
+                                                                                for i in range(1023)])
     run = ["--ckpt", ckpt, "--evals", "grammar", "--limit", "2"]
     bad = [(["--seed", seed], [f"--seed must be in [0, {2**31 - 1}]"]) for seed in ("-1", str(2**31), str(2**64))]
     bad += [(["--coordinator", address], ["--coordinator must be HOST:PORT"])
