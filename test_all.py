@@ -1572,13 +1572,23 @@ def test_registry_and_jobs_cli(capsys):
     assert trained.returncode == 0 and "--micro-batch-size" in trained.stdout and "optimizer steps" in trained.stdout
     reinforced = subprocess.run([sys.executable, str(ROOT / "train.py"), "--rl", "--help"], capture_output=True, text=True)
     assert reinforced.returncode == 0 and "--samples" in reinforced.stdout and "--micro-batch-size" not in reinforced.stdout
+    supervised = subprocess.run([sys.executable, str(ROOT / "train.py"), "--sft", "--help"], capture_output=True,
+                                text=True)
+    assert supervised.returncode == 0 and "--ptx-rows" in supervised.stdout and "--samples" not in supervised.stdout
+    both = subprocess.run([sys.executable, str(ROOT / "train.py"), "--sft", "--init", "x", "--rl"], capture_output=True,
+                          text=True)  # one stage a run
+    assert both.returncode == 2 and both.stderr.count("\n") == 1 and "unknown option --rl" in both.stderr, both.stderr
     for args, needle in [(["nope/job"], "unknown job"), (["gpt/train/pretrain", "--stepz", "3"], "--stepz"),
                          (["gpt/train/pretrain", "--steps", "three"], "must be int"),
                          (["gpt/train/pretrain", "--steps", "0"], "--steps"), (["gpt/train/rl"], "--init CKPT is needed"),
                          (["gpt/train/rl", "--init", "/nonexistent"], "does not exist"),
                          (["gpt/train/rl", "--init", "x", "--temperature", "0"], "--temperature"),
                          (["gpt/train/rl", "--init", "x", "--reward", "bits"], "--reward must be exact or digits"),
-                         (["gpt/train/rl", "--init", "x", "--ptx-rows", "0"], "--ptx-rows must be at least 1")]:
+                         (["gpt/train/rl", "--init", "x", "--ptx-rows", "0"], "--ptx-rows must be at least 1"),
+                         (["gpt/train/sft"], "--init CKPT is needed"),
+                         (["gpt/train/sft", "--init", "/nonexistent"], "does not exist"),
+                         (["gpt/train/sft", "--init", "x", "--batch-size", "0"], "--batch-size must be at least 1"),
+                         (["gpt/train/sft", "--init", "x", "--samples", "8"], "unknown option --samples")]:
         assert jobs.main(args) == 2  # what `python jobs.py ARGS` exits with
         assert needle in capsys.readouterr().err
 
@@ -1768,6 +1778,23 @@ def test_rl_steps_raise_a_toy_reward(small, tiny_ckpt, tmp_path, mesh, ptx, monk
     assert set(log[-1]["eval"]) == {"grammar"}  # Evaluator.from_trainer at the end
     model, _, config_json = jobs.load_checkpoint(str(tmp_path / "rl"), mesh_of())
     assert config_json["step"] == 6 and model == trainer.model
+
+
+def test_sft_gradient_is_zero_at_prompt_and_padding_positions(small):
+    """d loss / d logits of the SFT step's answer rows: nonzero where the target is an answer
+    token or its EOS, exactly zero where it is a prompt token or padding."""
+    model, host = small
+    items = [("7+5=", "12"), ("12+30=", "042"), ("1+1=", "2")]  # of three lengths: two rows padded
+    inputs_BT, targets_BT = next(train.answer_batches(jobs.ByteTokenizer(), iter(items), len(items)))
+    for row, (prompt, answer) in enumerate(items):  # the targets are the answer and EOS, at their places
+        np.testing.assert_array_equal(inputs_BT[row, :len(prompt)], list(prompt.encode()))
+        expected = [-1] * (len(prompt) - 1) + list(answer.encode()) + [256]
+        np.testing.assert_array_equal(targets_BT[row], expected + [-1] * (targets_BT.shape[1] - len(expected)))
+    logits = logits_of(model, host, inputs_BT)
+    grad = jax.grad(model.loss)(jnp.asarray(logits), jnp.asarray(targets_BT))
+    touched_BT = np.abs(np.asarray(grad)).max(-1) > 0
+    assert (targets_BT == -1).any() and (targets_BT[:, -1] == -1).any()  # prompt and padding both there
+    np.testing.assert_array_equal(touched_BT, targets_BT != -1)
 
 
 def sampled_rollouts(small, records=False):
