@@ -1768,7 +1768,7 @@ def chosen_probability(model, variables):
 def test_rl_steps_raise_a_toy_reward(small, tiny_ckpt, tmp_path, mesh, ptx, monkeypatch):
     monkeypatch.setattr(jobs.ExecutionSpec, "make_mesh", lambda spec: mesh_of(*mesh))  # 1x1 of the 8 devices
     config = train.RLConfig(init=str(tiny_ckpt), out=str(tmp_path / "rl"), steps=6, prompts=len(CHOSEN), samples=8,
-                            lr=3e-3, warmup=0, ptx=ptx, quiet=True)
+                            lr=1e-3, warmup=0, ptx=ptx, quiet=True)
     trainer = ChosenToken(jobs.ExecutionSpec(name="gpt/train/rl", out_dir=config.out, cfg=config))
     trainer.run()
     log = [json.loads(line) for line in (tmp_path / "rl" / "train_log.jsonl").read_text().splitlines()]
@@ -1778,6 +1778,36 @@ def test_rl_steps_raise_a_toy_reward(small, tiny_ckpt, tmp_path, mesh, ptx, monk
     assert set(log[-1]["eval"]) == {"grammar"}  # Evaluator.from_trainer at the end
     model, _, config_json = jobs.load_checkpoint(str(tmp_path / "rl"), mesh_of())
     assert config_json["step"] == 6 and model == trainer.model
+
+
+class ChosenAnswers(train.SupervisedTrainer):
+    """The SFT stage on the same toy task: each prompt's chosen byte is its answer."""
+
+    EVALUATION = ["grammar"]
+
+    def training_items(self):
+        while True:
+            yield from CHOSEN.items()
+
+
+@pytest.mark.parametrize("mesh", [(1, 1), (4, 2)])
+def test_sft_then_rl_raise_a_toy_reward(small, tiny_ckpt, tmp_path, mesh, monkeypatch):
+    """The three-stage demo in small: SFT on the right answers (the training mix beside), then
+    the RL stage from SFT's checkpoint (per-token rewards, the better answers raised); each
+    raises the expected reward, on one device and on 4x2."""
+    monkeypatch.setattr(jobs.ExecutionSpec, "make_mesh", lambda spec: mesh_of(*mesh))
+    sft = train.SFTConfig(init=str(tiny_ckpt), out=str(tmp_path / "sft"), steps=2, batch_size=8, ptx_rows=4,
+                          lr=1e-4, warmup=0, quiet=True)
+    ChosenAnswers(jobs.ExecutionSpec(name="gpt/train/sft", out_dir=sft.out, cfg=sft)).run()
+    rl = train.RLConfig(init=sft.out, out=str(tmp_path / "rl"), steps=4, prompts=len(CHOSEN), samples=8,
+                        lr=1e-3, warmup=0, quiet=True)  # a rate for so few steps on a toy
+    trainer = ChosenToken(jobs.ExecutionSpec(name="gpt/train/rl", out_dir=rl.out, cfg=rl))
+    before, after_sft = chosen_probability(*small), chosen_probability(trainer.model, jax.device_get(trainer.variables))
+    trainer.run()
+    after_rl = chosen_probability(trainer.model, jax.device_get(trainer.variables))
+    assert before + 0.1 < after_sft and after_sft + 0.1 < after_rl, (before, after_sft, after_rl)
+    model, _, config_json = jobs.load_checkpoint(sft.out, mesh_of())  # SFT wrote what --rl --init took
+    assert config_json["step"] == 2 and model == trainer.model
 
 
 def test_sft_gradient_is_zero_at_prompt_and_padding_positions(small):
@@ -1882,10 +1912,10 @@ def test_rl_digit_rewards_and_their_per_slot_advantages():
     np.testing.assert_array_equal(dense_BM, [[1, 1, 0, 0], [1, 1, 1, 1], [0, 1, 1, 0]])
     np.testing.assert_array_equal(train.token_rewards(new_BM, [[48, 51, 50]] * 3, exact_B, dense=False),
                                   np.repeat(exact_B[:, None], 4, 1))
-    advantages = train.advantages(dense_BM[None], normalize=False)  # one prompt, three samples
+    advantages = train.advantages(dense_BM[None], positive=False)  # one prompt, three samples
     np.testing.assert_allclose(advantages, dense_BM - dense_BM.mean(0), atol=1e-6)
     assert not advantages[:, 1].any()  # all three got the middle digit right: nothing to learn there
-    np.testing.assert_allclose(train.advantages(dense_BM[None], False, positive=True), np.maximum(advantages, 0))
+    np.testing.assert_allclose(train.advantages(dense_BM[None], positive=True), np.maximum(advantages, 0))
 
 
 def test_gen_stop_strings_per_line_and_from_the_command_line(small, tmp_path):

@@ -366,15 +366,15 @@ class SupervisedTrainer(BaseTrainer):
 
 
 # ----------------------------------------------------------------------------- reinforcement learning
-# REINFORCE on the evaluation's own rollouts, as nanochat's chat_rl.py does: each step samples
-# k answers to each of a few training prompts of addition through Evaluator.evaluate (the
-# decoder the evaluation runs), rewards each with the evaluation's own score (exact match, 1 or
-# 0), and raises the log-probability of the generated tokens of the answers that did better
-# than their prompt's mean, lowering the others'. No KL term and no clipped ratio: every
-# step's answers come from the current weights. Options for a checkpoint that has not learned
-# a digit yet (exact answers too rare to teach): --reward digits scores each answer token on
-# its own, --positive drops the pushes down, and --ptx keeps the pretraining loss in the step
-# so that the other tasks stay where they were.
+# REINFORCE on the evaluation's own rollouts, as nanochat's chat_rl.py does after its SFT: each
+# step samples k answers to each of a few training prompts of addition through
+# Evaluator.evaluate (the decoder the evaluation runs), rewards each answer token with its own
+# correctness (--reward digits; exact: the evaluation's exact match for all of them), and
+# raises the log-probability of the tokens that did better than their prompt's mean at the
+# same place (--positive; without it, the worse ones are lowered too). No KL term and no
+# clipped ratio: every step's answers come from the current weights. The learning rate is
+# small because a step of the rollouts' gradient helps only while it is short (docs/api.md);
+# --ptx adds the pretraining loss for runs at larger rates.
 
 
 @dataclasses.dataclass
@@ -383,19 +383,19 @@ class RLConfig:
 
     init: str = option("", "native checkpoint to start from (python train.py writes runs/train)")
     out: str = option("runs/rl", "checkpoint directory, then what evaluate.py --ckpt takes")
-    steps: int = option(100, "optimizer steps, one batch of rollouts each")
+    steps: int = option(300, "optimizer steps, one batch of rollouts each")
     prompts: int = option(16, "training prompts of addition per step")
     samples: int = option(8, "answers sampled per prompt (the group whose mean is the baseline)")
     temperature: float = option(1.0, "sampling temperature of the rollouts (the policy trained)")
-    reward: str = option("exact", "exact: each answer's exact match, for all its tokens; digits: each answer "
-                         "token its own correctness (its end and beyond: the exact match)")
-    normalize: bool = option(False, "divide each advantage by its prompt's reward std (as GRPO)")
-    positive: bool = option(False, "keep only the advantages above 0: learn from the better answers alone")
+    reward: str = option("digits", "digits: each answer token its own correctness (its end and beyond: the "
+                         "exact match); exact: each answer's exact match, for all its tokens")
+    positive: bool = option(True, "keep only the advantages above 0: learn from the better answers alone "
+                            "(--positive=false: full REINFORCE)")
     ptx: float = option(0.0, "weight of the pretraining loss on a batch of the training mix, added to the "
                         "RL loss (InstructGPT's ptx): keeps the other tasks where they were")
     ptx_rows: int = option(16, "sequences of 128 tokens of the training mix in each step's --ptx batch")
-    lr: float = option(1e-4, "learning rate (AdamW), constant after --warmup steps")
-    warmup: int = option(5, "steps of linear warmup")
+    lr: float = option(1e-5, "learning rate (AdamW), constant after --warmup steps")
+    warmup: int = option(20, "steps of linear warmup")
     weight_decay: float = option(0.0, "AdamW weight decay on matrices")
     eval_every: int = option(0, "evaluate every N steps (0: only at the end)")
     ckpt_every: int = option(50, "write a checkpoint every N steps (and at the end)")
@@ -434,14 +434,11 @@ def token_rewards(new_BM: np.ndarray, targets: List[List[int]], exact_B: np.ndar
     return np.where(inside_BM, new_BM == target_BM, exact_B[:, None]).astype(np.float32)
 
 
-def advantages(rewards_NKM: np.ndarray, normalize: bool, positive: bool = False) -> np.ndarray:
-    """Each reward minus the mean of its prompt's k samples at the same slot (and divided by
-    their std), [N * K, M]. A prompt whose answers all scored alike teaches nothing there.
-    Positive: the worse answers are not pushed down, only the better ones up (at learning
-    rates where full REINFORCE collapses, this one still learns)."""
+def advantages(rewards_NKM: np.ndarray, positive: bool) -> np.ndarray:
+    """Each reward minus the mean of its prompt's k samples at the same slot, [N * K, M]. A
+    prompt whose answers all scored alike teaches nothing there. Positive: the worse answers
+    are not pushed down, only the better ones up (it learns more per step)."""
     centred_NKM = rewards_NKM - rewards_NKM.mean(1, keepdims=True)
-    if normalize:
-        centred_NKM = centred_NKM / (rewards_NKM.std(1, keepdims=True) + 1e-6)
     if positive:
         centred_NKM = np.maximum(centred_NKM, 0.0)
     return centred_NKM.reshape(-1, rewards_NKM.shape[2]).astype(np.float32)
@@ -522,7 +519,7 @@ class ReinforceTrainer(BaseTrainer):
         c, m = self.cfg, self.MAX_NEW_TOKENS
         targets = [self.tokenizer.encode(s["answer"].strip()) for s in samples]
         rewards_BM = token_rewards(tokens_BL[:, -m:], targets, exact_B, c.reward == "digits")
-        advantages_BM = advantages(rewards_BM.reshape(c.prompts, c.samples, m), c.normalize, c.positive)
+        advantages_BM = advantages(rewards_BM.reshape(c.prompts, c.samples, m), c.positive)
         return np.pad(advantages_BM, ((0, 0), (tokens_BL.shape[1] - m, 0)))
 
     def reinforce_step(self, tx: optax.GradientTransformation) -> Callable:
