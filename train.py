@@ -287,10 +287,11 @@ class SFTConfig:
     """Options of `python train.py --sft` (the job gpt/train/sft)."""
 
     init: str = option("", "native checkpoint to start from (python train.py writes runs/train)")
-    out: str = option("runs/sft", "checkpoint directory, then what train.py --rl --init and evaluate.py --ckpt take")
+    out: str = option("runs/sft", "checkpoint directory, then what train.py --rl --init and evaluate.py "
+                      "--ckpt take")
     steps: int = option(400, "optimizer steps")
     batch_size: int = option(128, "training items of addition per step, one a row")
-    ptx: float = option(1.0, "weight of the pretraining loss on a batch of the training mix, added to the "
+    ptx: float = option(2.0, "weight of the pretraining loss on a batch of the training mix, added to the "
                         "answers' loss: keeps the other tasks where they were")
     ptx_rows: int = option(32, "sequences of 128 tokens of the training mix in each step's --ptx batch")
     lr: float = option(1e-3, "peak learning rate (AdamW)")
