@@ -174,7 +174,8 @@ JOBS: Dict[str, type] = {}
 # jobs.py KEY` imports a job's module by name only when asked to, so this file never
 # imports the files above it. test_all.py checks that the table and the @job keys agree.
 ENTRY_POINTS = {"gpt/evaluate": "evaluate:Evaluate", "backbone/evaluate": "evaluate:BackboneEvaluate",
-                "gpt/train/pretrain": "train:BaseTrainer", "gpt/train/rl": "train:ReinforceTrainer"}
+                "gpt/train/pretrain": "train:BaseTrainer", "gpt/train/sft": "train:SupervisedTrainer",
+                "gpt/train/rl": "train:ReinforceTrainer"}
 
 
 def job(key: str) -> Callable[[T], T]:

@@ -1590,13 +1590,23 @@ def test_registry_and_jobs_cli(capsys):
     assert trained.returncode == 0 and "--micro-batch-size" in trained.stdout and "optimizer steps" in trained.stdout
     reinforced = subprocess.run([sys.executable, str(ROOT / "train.py"), "--rl", "--help"], capture_output=True, text=True)
     assert reinforced.returncode == 0 and "--samples" in reinforced.stdout and "--micro-batch-size" not in reinforced.stdout
+    supervised = subprocess.run([sys.executable, str(ROOT / "train.py"), "--sft", "--help"], capture_output=True,
+                                text=True)
+    assert supervised.returncode == 0 and "--ptx-rows" in supervised.stdout and "--samples" not in supervised.stdout
+    both = subprocess.run([sys.executable, str(ROOT / "train.py"), "--sft", "--init", "x", "--rl"], capture_output=True,
+                          text=True)  # one stage a run
+    assert both.returncode == 2 and both.stderr.count("\n") == 1 and "unknown option --rl" in both.stderr, both.stderr
     for args, needle in [(["nope/job"], "unknown job"), (["gpt/train/pretrain", "--stepz", "3"], "--stepz"),
                          (["gpt/train/pretrain", "--steps", "three"], "must be int"),
                          (["gpt/train/pretrain", "--steps", "0"], "--steps"), (["gpt/train/rl"], "--init CKPT is needed"),
                          (["gpt/train/rl", "--init", "/nonexistent"], "does not exist"),
                          (["gpt/train/rl", "--init", "x", "--temperature", "0"], "--temperature"),
                          (["gpt/train/rl", "--init", "x", "--reward", "bits"], "--reward must be exact or digits"),
-                         (["gpt/train/rl", "--init", "x", "--ptx-rows", "0"], "--ptx-rows must be at least 1")]:
+                         (["gpt/train/rl", "--init", "x", "--ptx-rows", "0"], "--ptx-rows must be at least 1"),
+                         (["gpt/train/sft"], "--init CKPT is needed"),
+                         (["gpt/train/sft", "--init", "/nonexistent"], "does not exist"),
+                         (["gpt/train/sft", "--init", "x", "--batch-size", "0"], "--batch-size must be at least 1"),
+                         (["gpt/train/sft", "--init", "x", "--samples", "8"], "unknown option --samples")]:
         assert jobs.main(args) == 2  # what `python jobs.py ARGS` exits with
         assert needle in capsys.readouterr().err
 
@@ -1776,7 +1786,7 @@ def chosen_probability(model, variables):
 def test_rl_steps_raise_a_toy_reward(small, tiny_ckpt, tmp_path, mesh, ptx, monkeypatch):
     monkeypatch.setattr(jobs.ExecutionSpec, "make_mesh", lambda spec: mesh_of(*mesh))  # 1x1 of the 8 devices
     config = train.RLConfig(init=str(tiny_ckpt), out=str(tmp_path / "rl"), steps=6, prompts=len(CHOSEN), samples=8,
-                            lr=3e-3, warmup=0, ptx=ptx, quiet=True)
+                            lr=1e-3, warmup=0, ptx=ptx, quiet=True)
     trainer = ChosenToken(jobs.ExecutionSpec(name="gpt/train/rl", out_dir=config.out, cfg=config))
     trainer.run()
     log = [json.loads(line) for line in (tmp_path / "rl" / "train_log.jsonl").read_text().splitlines()]
@@ -1786,6 +1796,53 @@ def test_rl_steps_raise_a_toy_reward(small, tiny_ckpt, tmp_path, mesh, ptx, monk
     assert set(log[-1]["eval"]) == {"grammar"}  # Evaluator.from_trainer at the end
     model, _, config_json = jobs.load_checkpoint(str(tmp_path / "rl"), mesh_of())
     assert config_json["step"] == 6 and model == trainer.model
+
+
+class ChosenAnswers(train.SupervisedTrainer):
+    """The SFT stage on the same toy task: each prompt's chosen byte is its answer."""
+
+    EVALUATION = ["grammar"]
+
+    def training_items(self):
+        while True:
+            yield from CHOSEN.items()
+
+
+@pytest.mark.parametrize("mesh", [(1, 1), (4, 2)])
+def test_sft_then_rl_raise_a_toy_reward(small, tiny_ckpt, tmp_path, mesh, monkeypatch):
+    """The three-stage demo in small: SFT on the right answers (the training mix beside), then
+    the RL stage from SFT's checkpoint (per-token rewards, the better answers raised); each
+    raises the expected reward, on one device and on 4x2."""
+    monkeypatch.setattr(jobs.ExecutionSpec, "make_mesh", lambda spec: mesh_of(*mesh))
+    sft = train.SFTConfig(init=str(tiny_ckpt), out=str(tmp_path / "sft"), steps=2, batch_size=8, ptx_rows=4,
+                          lr=1e-4, warmup=0, quiet=True)
+    ChosenAnswers(jobs.ExecutionSpec(name="gpt/train/sft", out_dir=sft.out, cfg=sft)).run()
+    rl = train.RLConfig(init=sft.out, out=str(tmp_path / "rl"), steps=4, prompts=len(CHOSEN), samples=8,
+                        lr=1e-3, warmup=0, quiet=True)  # a rate for so few steps on a toy
+    trainer = ChosenToken(jobs.ExecutionSpec(name="gpt/train/rl", out_dir=rl.out, cfg=rl))
+    before, after_sft = chosen_probability(*small), chosen_probability(trainer.model, jax.device_get(trainer.variables))
+    trainer.run()
+    after_rl = chosen_probability(trainer.model, jax.device_get(trainer.variables))
+    assert before + 0.1 < after_sft and after_sft + 0.1 < after_rl, (before, after_sft, after_rl)
+    model, _, config_json = jobs.load_checkpoint(sft.out, mesh_of())  # SFT wrote what --rl --init took
+    assert config_json["step"] == 2 and model == trainer.model
+
+
+def test_sft_gradient_is_zero_at_prompt_and_padding_positions(small):
+    """d loss / d logits of the SFT step's answer rows: nonzero where the target is an answer
+    token or its EOS, exactly zero where it is a prompt token or padding."""
+    model, host = small
+    items = [("7+5=", "12"), ("12+30=", "042"), ("1+1=", "2")]  # of three lengths: two rows padded
+    inputs_BT, targets_BT = next(train.answer_batches(jobs.ByteTokenizer(), iter(items), len(items)))
+    for row, (prompt, answer) in enumerate(items):  # the targets are the answer and EOS, at their places
+        np.testing.assert_array_equal(inputs_BT[row, :len(prompt)], list(prompt.encode()))
+        expected = [-1] * (len(prompt) - 1) + list(answer.encode()) + [256]
+        np.testing.assert_array_equal(targets_BT[row], expected + [-1] * (targets_BT.shape[1] - len(expected)))
+    logits = logits_of(model, host, inputs_BT)
+    grad = jax.grad(model.loss)(jnp.asarray(logits), jnp.asarray(targets_BT))
+    touched_BT = np.abs(np.asarray(grad)).max(-1) > 0
+    assert (targets_BT == -1).any() and (targets_BT[:, -1] == -1).any()  # prompt and padding both there
+    np.testing.assert_array_equal(touched_BT, targets_BT != -1)
 
 
 def sampled_rollouts(small, records=False):
@@ -1873,10 +1930,10 @@ def test_rl_digit_rewards_and_their_per_slot_advantages():
     np.testing.assert_array_equal(dense_BM, [[1, 1, 0, 0], [1, 1, 1, 1], [0, 1, 1, 0]])
     np.testing.assert_array_equal(train.token_rewards(new_BM, [[48, 51, 50]] * 3, exact_B, dense=False),
                                   np.repeat(exact_B[:, None], 4, 1))
-    advantages = train.advantages(dense_BM[None], normalize=False)  # one prompt, three samples
+    advantages = train.advantages(dense_BM[None], positive=False)  # one prompt, three samples
     np.testing.assert_allclose(advantages, dense_BM - dense_BM.mean(0), atol=1e-6)
     assert not advantages[:, 1].any()  # all three got the middle digit right: nothing to learn there
-    np.testing.assert_allclose(train.advantages(dense_BM[None], False, positive=True), np.maximum(advantages, 0))
+    np.testing.assert_allclose(train.advantages(dense_BM[None], positive=True), np.maximum(advantages, 0))
 
 
 def test_gen_stop_strings_per_line_and_from_the_command_line(small, tmp_path):

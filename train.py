@@ -114,6 +114,7 @@ def check_batch_fits(model: gpt.GPT, rows: int, length: int, options: str) -> No
 # ----------------------------------------------------------------------------- data
 
 TRAINING_MIX = {"addition": 0.6, "repeat": 0.2, "grammar": 0.1, "text": 0.1}  # share of lines
+PTX_LEN = 128  # the later stages' --ptx batches: sequences as long as the pretrainer's
 
 
 def training_text(seed: int) -> Iterator[str]:
@@ -136,6 +137,11 @@ def packed_batches(tokenizer: ByteTokenizer, seed: int, rows: int, seq_len: int)
             buffer += tokenizer.encode(next(lines)) + [tokenizer.eos_token_id]
         chunk, buffer = buffer[:need], buffer[need:]
         yield np.array(chunk, np.int32).reshape(rows, seq_len + 1)
+
+
+def text_pair(tokens_BT: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """(inputs, targets) of windows of text: each token's target is the next one."""
+    return tokens_BT[:, :-1], tokens_BT[:, 1:]
 
 
 # ----------------------------------------------------------------------------- trainer
@@ -171,29 +177,41 @@ class BaseTrainer:
         return optax.chain(optax.clip_by_global_norm(1.0),
                            optax.adamw(schedule, b2=0.95, weight_decay=c.weight_decay, mask=decay))
 
-    def batches(self) -> Iterator[np.ndarray]:
-        return packed_batches(self.tokenizer, self.spec.seed, self.cfg.batch_size, self.cfg.seq_len)
+    def batches(self) -> Iterator[List[Tuple[np.ndarray, np.ndarray]]]:
+        """Each step's batch: its parts, each (inputs, targets) [rows, T]. Here one part, windows
+        of the packed training text, each token's target the next one."""
+        windows = packed_batches(self.tokenizer, self.spec.seed, self.cfg.batch_size, self.cfg.seq_len)
+        return ([text_pair(tokens_BT)] for tokens_BT in windows)
+
+    def loss_weights(self) -> List[float]:
+        """The weight of each part's mean loss in the step's loss."""
+        return [1.0]
 
     def train_step(self, tx: optax.GradientTransformation) -> Callable:
-        """One AdamW step; gradients accumulate over micro-batches with lax.scan."""
-        c, model = self.cfg, self.model
+        """One AdamW step on a batch of parts (batches), targets -1 where no loss is taken, the
+        loss their weighted sum (loss_weights); gradients accumulate over micro-batches with
+        lax.scan."""
+        c, model, weights = self.cfg, self.model, self.loss_weights()
         micro = c.micro_batch_size or c.batch_size
         accum = c.batch_size // micro
 
-        def loss_fn(params, tokens_BT, key):
-            _, loss = model.apply({"params": params}, tokens_BT[:, :-1], tokens_BT[:, 1:],
-                                  deterministic=False, rngs={"dropout": key})
+        def loss_fn(params, batch, key):
+            loss = 0.0
+            for weight, (inputs_BT, targets_BT) in zip(weights, batch):
+                loss += weight * model.apply({"params": params}, inputs_BT, targets_BT, deterministic=False,
+                                             rngs={"dropout": key})[1]
             return loss
 
-        def step(state, tokens_BT, key):
+        def step(state, batch, key):
             params, opt_state = state
 
-            def add(total, micro_BT):
-                loss, grads = jax.value_and_grad(loss_fn)(params, micro_BT, key)
+            def add(total, micro_batch):
+                loss, grads = jax.value_and_grad(loss_fn)(params, micro_batch, key)
                 return jax.tree.map(jnp.add, total, (loss, grads)), None
 
             zero = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
-            (loss, grads), _ = jax.lax.scan(add, zero, tokens_BT.reshape(accum, micro, -1))
+            micro_batches = jax.tree.map(lambda a: a.reshape(accum, micro, -1), batch)
+            (loss, grads), _ = jax.lax.scan(add, zero, micro_batches)
             grads = jax.tree.map(lambda g: g / accum, grads)
             updates, opt_state = tx.update(grads, opt_state, params)
             return (optax.apply_updates(params, updates), opt_state), loss / accum
@@ -227,10 +245,12 @@ class BaseTrainer:
         batch_sharding = gpt.input_sharding(self.model, self.mesh, ("batch", None))
         step = jax.jit(self.train_step(tx), out_shardings=(state_shardings, None), donate_argnums=0)
         bar = tqdm(total=c.steps, desc="train", disable=c.quiet or not sys.stderr.isatty())
-        data, tokens_per_step = self.batches(), c.batch_size * c.seq_len
+        data = self.batches()
         started, last_line = time.time(), 0.0  # the first line comes at once, then every LOG_EVERY_S
         for self.step in range(1, c.steps + 1):
-            batch = jax.device_put(next(data), batch_sharding)
+            host_batch = next(data)
+            tokens_per_step = sum(inputs_BT.size for inputs_BT, _ in host_batch)
+            batch = jax.device_put(host_batch, batch_sharding)
             state, loss = step(state, batch, jax.random.key(self.spec.seed * 1_000_003 + self.step))
             self.variables = {"params": state[0]}
             if self.step % 10 == 0 or self.step == c.steps:
@@ -265,6 +285,12 @@ class BaseTrainer:
         self.evaluate()
         self.say(f"checkpoint: {self.cfg.out} (python evaluate.py --ckpt {self.cfg.out})")
 
+    def start_from(self, base: Node) -> None:
+        """The later stages' start: the model, parameters and tokenizer of a native checkpoint."""
+        self.base, self.mesh, self.step = base, self.spec.make_mesh(), 0
+        self.model, self.variables, config = load_checkpoint(base.path, self.mesh)
+        self.tokenizer = load_tokenizer(config, base.path)
+
     def place_optimizer_state(self, opt_state: Any) -> Any:
         """Adam's moments inherit their parameter's sharding; step counters are replicated."""
         replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
@@ -293,16 +319,107 @@ class BaseTrainer:
         return scores
 
 
+# ----------------------------------------------------------------------------- supervised fine-tuning
+# The pretrainer's step on the right answers of addition's training prompts, one item a row as
+# the evaluation prompts it, the loss on the answer tokens alone: what a sampled rollout finds
+# one time in ten (a digit the checkpoint guesses), this stage is shown every time. As
+# nanochat goes base -> SFT -> RL, the RL stage starts from its checkpoint.
+
+
+@dataclasses.dataclass
+class SFTConfig:
+    """Options of `python train.py --sft` (the job gpt/train/sft)."""
+
+    init: str = option("", "native checkpoint to start from (python train.py writes runs/train)")
+    out: str = option("runs/sft", "checkpoint directory, then what train.py --rl --init and evaluate.py "
+                      "--ckpt take")
+    steps: int = option(400, "optimizer steps")
+    batch_size: int = option(128, "training items of addition per step, one a row")
+    ptx: float = option(2.0, "weight of the pretraining loss on a batch of the training mix, added to the "
+                        "answers' loss: keeps the other tasks where they were")
+    ptx_rows: int = option(32, "sequences of 128 tokens of the training mix in each step's --ptx batch")
+    lr: float = option(1e-3, "peak learning rate (AdamW)")
+    warmup: int = option(20, "steps of linear warmup, then cosine decay")
+    min_lr_ratio: float = option(0.1, "final learning rate as a fraction of --lr")
+    weight_decay: float = option(0.0, "AdamW weight decay on matrices")
+    eval_every: int = option(0, "evaluate every N steps (0: only at the end)")
+    ckpt_every: int = option(100, "write a checkpoint every N steps (and at the end)")
+    seed: int = option(0, "order of the training items")
+    mesh: Optional[str] = option(None, "device mesh BATCHxSHARD (default: every device on batch)")
+    quiet: bool = option(False, "no progress output")
+    micro_batch_size = 0  # the pretrainer's step: one batch, no accumulation
+
+    def validate(self) -> None:
+        if not self.init:
+            raise UsageError("--init CKPT is needed: the native checkpoint to start from (python train.py "
+                             "writes runs/train)")
+        for name in ("steps", "batch_size", "ptx_rows", "ckpt_every"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+        if not 0 <= self.seed <= jobs.MAX_SEED:
+            raise UsageError(f"--seed must be in [0, {jobs.MAX_SEED}] (what the PRNG takes), got {self.seed}")
+
+
+def answer_batches(tokenizer: ByteTokenizer, items: Iterator[Tuple[str, str]],
+                   rows: int) -> Iterator[Tuple[np.ndarray, np.ndarray]]:
+    """(inputs, targets) [rows, T]: one item a row, its prompt, answer and EOS from position 0
+    (as the evaluation prompts it), then EOS padding; the targets are the answer's tokens and
+    its EOS, -1 at the prompt and the padding. T is the batch's longest item (the built-in
+    addition's items are all one length: one shape, one compilation)."""
+    while True:
+        pairs = [(tokenizer.encode(prompt), tokenizer.encode(answer) + [tokenizer.eos_token_id])
+                 for prompt, answer in itertools.islice(items, rows)]
+        width = max(len(prompt) + len(answer) for prompt, answer in pairs)
+        tokens_BL = np.full((rows, width), tokenizer.eos_token_id, np.int32)
+        answer_BL = np.zeros((rows, width), bool)
+        for row, (prompt, answer) in enumerate(pairs):
+            tokens_BL[row, :len(prompt) + len(answer)] = prompt + answer
+            answer_BL[row, len(prompt):len(prompt) + len(answer)] = True
+        yield tokens_BL[:, :-1], np.where(answer_BL[:, 1:], tokens_BL[:, 1:], -1)
+
+
+@job("gpt/train/sft")
+class SupervisedTrainer(BaseTrainer):
+    """Fine-tune a trained GPT on the right answers of addition's training prompts (SFT)."""
+
+    CONFIG = SFTConfig
+    TASK = "addition"
+
+    def __init__(self, spec: ExecutionSpec, base: Optional[Node] = None):
+        self.spec, self.cfg = spec, spec.cfg or SFTConfig()
+        self.start_from(base or Node(self.cfg.init))
+        if self.cfg.batch_size % self.mesh.shape["batch"] or self.cfg.ptx_rows % self.mesh.shape["batch"]:
+            raise UsageError(f"--batch-size ({self.cfg.batch_size}) and --ptx-rows ({self.cfg.ptx_rows}) must be "
+                             f"multiples of the mesh's batch size {self.mesh.shape['batch']}")
+
+    def batches(self) -> Iterator[List[Tuple[np.ndarray, np.ndarray]]]:
+        """Two parts: the answer rows (answer_batches), then --ptx-rows windows of the training mix
+        (none at --ptx 0)."""
+        c = self.cfg
+        answers = answer_batches(self.tokenizer, self.training_items(), c.batch_size)
+        if not c.ptx:
+            return ([answer_pair] for answer_pair in answers)
+        texts = packed_batches(self.tokenizer, self.spec.seed, c.ptx_rows, min(PTX_LEN, self.model.block_size))
+        return ([answer_pair, text_pair(tokens_BT)] for answer_pair, tokens_BT in zip(answers, texts))
+
+    def loss_weights(self) -> List[float]:
+        return [1.0, self.cfg.ptx]
+
+    def training_items(self) -> Iterator[Tuple[str, str]]:
+        """(prompt, answer) pairs of the training split: never a held-out one."""
+        return builtin_items(self.TASK, "train", self.spec.seed)
+
+
 # ----------------------------------------------------------------------------- reinforcement learning
-# REINFORCE on the evaluation's own rollouts, as nanochat's chat_rl.py does: each step samples
-# k answers to each of a few training prompts of addition through Evaluator.evaluate (the
-# decoder the evaluation runs), rewards each with the evaluation's own score (exact match, 1 or
-# 0), and raises the log-probability of the generated tokens of the answers that did better
-# than their prompt's mean, lowering the others'. No KL term and no clipped ratio: every
-# step's answers come from the current weights. Options for a checkpoint that has not learned
-# a digit yet (exact answers too rare to teach): --reward digits scores each answer token on
-# its own, --positive drops the pushes down, and --ptx keeps the pretraining loss in the step
-# so that the other tasks stay where they were.
+# REINFORCE on the evaluation's own rollouts, as nanochat's chat_rl.py does after its SFT: each
+# step samples k answers to each of a few training prompts of addition through
+# Evaluator.evaluate (the decoder the evaluation runs), rewards each answer token with its own
+# correctness (--reward digits; exact: the evaluation's exact match for all of them), and
+# raises the log-probability of the tokens that did better than their prompt's mean at the
+# same place (--positive; without it, the worse ones are lowered too). No KL term and no
+# clipped ratio: every step's answers come from the current weights. The learning rate is
+# small because a step of the rollouts' gradient helps only while it is short (docs/api.md);
+# --ptx adds the pretraining loss for runs at larger rates.
 
 
 @dataclasses.dataclass
@@ -311,19 +428,19 @@ class RLConfig:
 
     init: str = option("", "native checkpoint to start from (python train.py writes runs/train)")
     out: str = option("runs/rl", "checkpoint directory, then what evaluate.py --ckpt takes")
-    steps: int = option(100, "optimizer steps, one batch of rollouts each")
+    steps: int = option(300, "optimizer steps, one batch of rollouts each")
     prompts: int = option(16, "training prompts of addition per step")
     samples: int = option(8, "answers sampled per prompt (the group whose mean is the baseline)")
     temperature: float = option(1.0, "sampling temperature of the rollouts (the policy trained)")
-    reward: str = option("exact", "exact: each answer's exact match, for all its tokens; digits: each answer "
-                         "token its own correctness (its end and beyond: the exact match)")
-    normalize: bool = option(False, "divide each advantage by its prompt's reward std (as GRPO)")
-    positive: bool = option(False, "keep only the advantages above 0: learn from the better answers alone")
+    reward: str = option("digits", "digits: each answer token its own correctness (its end and beyond: the "
+                         "exact match); exact: each answer's exact match, for all its tokens")
+    positive: bool = option(True, "keep only the advantages above 0: learn from the better answers alone "
+                            "(--positive=false: full REINFORCE)")
     ptx: float = option(0.0, "weight of the pretraining loss on a batch of the training mix, added to the "
                         "RL loss (InstructGPT's ptx): keeps the other tasks where they were")
     ptx_rows: int = option(16, "sequences of 128 tokens of the training mix in each step's --ptx batch")
-    lr: float = option(1e-4, "learning rate (AdamW), constant after --warmup steps")
-    warmup: int = option(5, "steps of linear warmup")
+    lr: float = option(1e-5, "learning rate (AdamW), constant after --warmup steps")
+    warmup: int = option(20, "steps of linear warmup")
     weight_decay: float = option(0.0, "AdamW weight decay on matrices")
     eval_every: int = option(0, "evaluate every N steps (0: only at the end)")
     ckpt_every: int = option(50, "write a checkpoint every N steps (and at the end)")
@@ -367,14 +484,11 @@ def token_rewards(new_BM: np.ndarray, targets: List[List[int]], exact_B: np.ndar
     return np.where(inside_BM, new_BM == target_BM, exact_B[:, None]).astype(np.float32)
 
 
-def advantages(rewards_NKM: np.ndarray, normalize: bool, positive: bool = False) -> np.ndarray:
-    """Each reward minus the mean of its prompt's k samples at the same slot (and divided by
-    their std), [N * K, M]. A prompt whose answers all scored alike teaches nothing there.
-    Positive: the worse answers are not pushed down, only the better ones up (at learning
-    rates where full REINFORCE collapses, this one still learns)."""
+def advantages(rewards_NKM: np.ndarray, positive: bool) -> np.ndarray:
+    """Each reward minus the mean of its prompt's k samples at the same slot, [N * K, M]. A
+    prompt whose answers all scored alike teaches nothing there. Positive: the worse answers
+    are not pushed down, only the better ones up (it learns more per step)."""
     centred_NKM = rewards_NKM - rewards_NKM.mean(1, keepdims=True)
-    if normalize:
-        centred_NKM = centred_NKM / (rewards_NKM.std(1, keepdims=True) + 1e-6)
     if positive:
         centred_NKM = np.maximum(centred_NKM, 0.0)
     return centred_NKM.reshape(-1, rewards_NKM.shape[2]).astype(np.float32)
@@ -415,16 +529,12 @@ class ReinforceTrainer(BaseTrainer):
 
     CONFIG = RLConfig
     TASK, MAX_NEW_TOKENS = "addition", 8  # as the built-in evaluation decodes it
-    PTX_LEN = 128  # the --ptx batch's sequences: as long as the pretrainer's
 
     def __init__(self, spec: ExecutionSpec, base: Optional[Node] = None):
         self.spec, self.cfg = spec, spec.cfg or RLConfig()
         start_processes(self.cfg)  # before anything touches a device
-        self.base = base or Node(self.cfg.init)
-        self.mesh = spec.make_mesh()
-        self.model, self.variables, config = load_checkpoint(self.base.path, self.mesh)
-        self.tokenizer = load_tokenizer(config, self.base.path)
-        self.step, rows = 0, self.cfg.prompts * self.cfg.samples
+        self.start_from(base or Node(self.cfg.init))
+        rows = self.cfg.prompts * self.cfg.samples
         if rows % self.mesh.shape["batch"] or self.cfg.ptx and self.cfg.ptx_rows % self.mesh.shape["batch"]:
             raise UsageError(f"--prompts x --samples ({rows}) and, with --ptx, --ptx-rows ({self.cfg.ptx_rows}) must "
                              f"be multiples of the mesh's batch size {self.mesh.shape['batch']}")
@@ -462,7 +572,7 @@ class ReinforceTrainer(BaseTrainer):
         c, m = self.cfg, self.MAX_NEW_TOKENS
         targets = [self.tokenizer.encode(s["answer"].strip()) for s in samples]
         rewards_BM = token_rewards(tokens_BL[:, -m:], targets, exact_B, c.reward == "digits")
-        advantages_BM = advantages(rewards_BM.reshape(c.prompts, c.samples, m), c.normalize, c.positive)
+        advantages_BM = advantages(rewards_BM.reshape(c.prompts, c.samples, m), c.positive)
         return np.pad(advantages_BM, ((0, 0), (tokens_BL.shape[1] - m, 0)))
 
     def reinforce_step(self, tx: optax.GradientTransformation) -> Callable:
@@ -499,7 +609,7 @@ class ReinforceTrainer(BaseTrainer):
         bar = tqdm(total=c.steps, desc="rl", disable=c.quiet or not sys.stderr.isatty())
         samples, started, last_line = self.prompt_groups(), time.time(), 0.0
         texts = packed_batches(self.tokenizer, self.spec.seed, c.ptx_rows,
-                               min(self.PTX_LEN, self.model.block_size))  # a checkpoint of a shorter context
+                               min(PTX_LEN, self.model.block_size))  # a checkpoint of a shorter context
         for self.step in range(1, c.steps + 1):
             group = list(itertools.islice(samples, c.prompts * c.samples))
             rewards, *rows = self.rollouts(evaluator, group)
@@ -517,6 +627,11 @@ class ReinforceTrainer(BaseTrainer):
 
 
 if __name__ == "__main__":
-    # `python train.py --rl ...` is the job gpt/train/rl; without --rl, gpt/train/pretrain
-    key = ReinforceTrainer.KEY if "--rl" in sys.argv[1:] else BaseTrainer.KEY
-    sys.exit(jobs.main([key, *(arg for arg in sys.argv[1:] if arg != "--rl")]))
+    # `python train.py --sft ...` is the job gpt/train/sft, `--rl` gpt/train/rl; neither: gpt/train/pretrain.
+    # Only the first is taken: a second stage's flag is left to be refused as an unknown option.
+    stages = {"--sft": SupervisedTrainer.KEY, "--rl": ReinforceTrainer.KEY}
+    flag = next((arg for arg in sys.argv[1:] if arg in stages), None)
+    args = list(sys.argv[1:])
+    if flag:
+        args.remove(flag)
+    sys.exit(jobs.main([stages.get(flag, BaseTrainer.KEY), *args]))
