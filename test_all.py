@@ -4091,8 +4091,8 @@ def test_training_options_that_cannot_be_right_are_refused_before_anything_runs(
     """A learning rate that is NaN, infinite, negative or 0 (NaN trained to the end, then the
     weights were blamed), other non-finite or impossible values, sizes no checkpoint can hold,
     batches that cannot fit in 16 GB (the RL stage's --ptx-rows 200000 ran 30 s into a
-    traceback asking for 243 GB), --out the checkpoint that --init names: exit 2 and one line,
-    nothing trained, nothing written. A batch that XLA finds beyond memory all the same ends
+    traceback asking for 243 GB), --out the checkpoint that --init names (--rl and --sft):
+    exit 2 and one line, nothing trained, nothing written. A batch that XLA finds beyond memory all the same ends
     in one line too."""
     monkeypatch.setattr(gpt, "available_memory", lambda: 16 * 10**9)
     rl = ["gpt/train/rl", "--init", str(ckpt), "--steps", "1", "--quiet"]
@@ -4102,8 +4102,15 @@ def test_training_options_that_cannot_be_right_are_refused_before_anything_runs(
         (["--ptx", "-0.1"], "--ptx must be"), (["--warmup", "-1"], "--warmup must be at least 0"),
         (["--weight-decay", "inf"], "--weight-decay must be"),
         (["--ptx", "0.1", "--ptx-rows", "200000"], "--ptx-rows 200000", "memory available")])]
+    sft = ["gpt/train/sft", "--init", str(ckpt), "--steps", "1", "--quiet"]
+    cases += [(sft + args + ["--out", str(tmp_path / f"s{i}")], words) for i, (args, *words) in enumerate([
+        (["--lr", "inf"], "--lr must be"), (["--ptx", "nan"], "--ptx must be"),
+        (["--min-lr-ratio", "2"], "--min-lr-ratio must be"), (["--batch-size", "9000000"], "--batch-size 9000000",
+                                                              "memory available"),
+        (["--ptx-rows", "200000"], "--ptx-rows 200000", "memory available")])]
     before = files_of(ckpt)
-    cases += [(rl + ["--out", out], ["--out", "is the checkpoint --init names"]) for out in (ckpt, f"{ckpt}/", ckpt / ".")]
+    cases += [(stage + ["--out", out], ["--out", "is the checkpoint --init names"])
+              for stage in (rl, sft) for out in (ckpt, f"{ckpt}/", ckpt / ".")]
     for args, words in cases:
         assert jobs.main(args) == 2, args
         lines = capsys.readouterr().err.strip().splitlines()

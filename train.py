@@ -96,6 +96,22 @@ def check_optimizer_options(cfg: Any) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 0, got {getattr(cfg, name)}")
 
 
+def check_later_stage(cfg: Any) -> None:
+    """The options --sft and --rl share: a checkpoint to start from and another to write
+    (its checkpoints would overwrite the start), a seed the PRNG takes, the optimizer's, and
+    the weight of the pretraining loss."""
+    if not cfg.init:
+        raise UsageError("--init CKPT is needed: the native checkpoint to start from (python train.py "
+                         "writes runs/train)")
+    if Path(cfg.out).resolve() == Path(cfg.init).resolve():
+        raise UsageError(f"--out {cfg.out} is the checkpoint --init names; choose another --out")
+    if not 0 <= cfg.seed <= jobs.MAX_SEED:
+        raise UsageError(f"--seed must be in [0, {jobs.MAX_SEED}] (what the PRNG takes), got {cfg.seed}")
+    check_optimizer_options(cfg)
+    if not 0 <= cfg.ptx < math.inf:
+        raise UsageError(f"--ptx must be at least 0 and finite, got {cfg.ptx}")
+
+
 def check_batch_fits(model: gpt.GPT, rows: int, length: int, options: str) -> None:
     """Refuse a training batch that cannot fit, before it is built, as evaluate.py refuses its
     batches: at least the float32 input of each layer's matmuls, kept for the backward pass,
@@ -115,6 +131,7 @@ def check_batch_fits(model: gpt.GPT, rows: int, length: int, options: str) -> No
 
 TRAINING_MIX = {"addition": 0.6, "repeat": 0.2, "grammar": 0.1, "text": 0.1}  # share of lines
 PTX_LEN = 128  # the later stages' --ptx batches: sequences as long as the pretrainer's
+ANSWER_LEN = 16  # the tokens of an addition item, prompt and answer: what --sft's rows hold
 
 
 def training_text(seed: int) -> Iterator[str]:
@@ -350,14 +367,12 @@ class SFTConfig:
     micro_batch_size = 0  # the pretrainer's step: one batch, no accumulation
 
     def validate(self) -> None:
-        if not self.init:
-            raise UsageError("--init CKPT is needed: the native checkpoint to start from (python train.py "
-                             "writes runs/train)")
         for name in ("steps", "batch_size", "ptx_rows", "ckpt_every"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
-        if not 0 <= self.seed <= jobs.MAX_SEED:
-            raise UsageError(f"--seed must be in [0, {jobs.MAX_SEED}] (what the PRNG takes), got {self.seed}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise UsageError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+        check_later_stage(self)
 
 
 def answer_batches(tokenizer: ByteTokenizer, items: Iterator[Tuple[str, str]],
@@ -391,6 +406,10 @@ class SupervisedTrainer(BaseTrainer):
         if self.cfg.batch_size % self.mesh.shape["batch"] or self.cfg.ptx_rows % self.mesh.shape["batch"]:
             raise UsageError(f"--batch-size ({self.cfg.batch_size}) and --ptx-rows ({self.cfg.ptx_rows}) must be "
                              f"multiples of the mesh's batch size {self.mesh.shape['batch']}")
+        check_batch_fits(self.model, self.cfg.batch_size, ANSWER_LEN, f"--batch-size {self.cfg.batch_size}")
+        if self.cfg.ptx:
+            check_batch_fits(self.model, self.cfg.ptx_rows, min(PTX_LEN, self.model.block_size),
+                             f"--ptx-rows {self.cfg.ptx_rows}")
 
     def batches(self) -> Iterator[List[Tuple[np.ndarray, np.ndarray]]]:
         """Two parts: the answer rows (answer_batches), then --ptx-rows windows of the training mix
@@ -452,9 +471,6 @@ class RLConfig:
     process_id: int = option(0, "this process's index in a multi-process run")
 
     def validate(self) -> None:
-        if not self.init:
-            raise UsageError("--init CKPT is needed: the native checkpoint to start from (python train.py "
-                             "writes runs/train)")
         for name in ("steps", "prompts", "samples", "ckpt_every", "ptx_rows"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
@@ -462,13 +478,7 @@ class RLConfig:
             raise UsageError(f"--reward must be exact or digits, got {self.reward!r}")
         if not MIN_TEMPERATURE <= self.temperature < math.inf:
             raise UsageError(f"--temperature must be in [{MIN_TEMPERATURE:g}, inf): the rollouts are sampled")
-        if not 0 <= self.seed <= jobs.MAX_SEED:
-            raise UsageError(f"--seed must be in [0, {jobs.MAX_SEED}] (what the PRNG takes), got {self.seed}")
-        check_optimizer_options(self)
-        if not 0 <= self.ptx < math.inf:
-            raise UsageError(f"--ptx must be at least 0 and finite, got {self.ptx}")
-        if Path(self.out).resolve() == Path(self.init).resolve():  # its checkpoints would overwrite the start
-            raise UsageError(f"--out {self.out} is the checkpoint --init names; choose another --out")
+        check_later_stage(self)
         check_processes(self)
 
 
@@ -539,7 +549,7 @@ class ReinforceTrainer(BaseTrainer):
             raise UsageError(f"--prompts x --samples ({rows}) and, with --ptx, --ptx-rows ({self.cfg.ptx_rows}) must "
                              f"be multiples of the mesh's batch size {self.mesh.shape['batch']}")
         if self.cfg.ptx:
-            check_batch_fits(self.model, self.cfg.ptx_rows, min(self.PTX_LEN, self.model.block_size),
+            check_batch_fits(self.model, self.cfg.ptx_rows, min(PTX_LEN, self.model.block_size),
                              f"--ptx-rows {self.cfg.ptx_rows}")
 
     def optimizer(self) -> optax.GradientTransformation:
