@@ -350,7 +350,7 @@ class SFTConfig:
     init: str = option("", "native checkpoint to start from (python train.py writes runs/train)")
     out: str = option("runs/sft", "checkpoint directory, then what train.py --rl --init and evaluate.py "
                       "--ckpt take")
-    steps: int = option(400, "optimizer steps")
+    steps: int = option(500, "optimizer steps")
     batch_size: int = option(128, "training items of addition per step, one a row")
     ptx: float = option(2.0, "weight of the pretraining loss on a batch of the training mix, added to the "
                         "answers' loss: keeps the other tasks where they were")
