@@ -3,11 +3,13 @@
     python train.py                          # 600 steps on CPU (about 4 minutes), into runs/train
     python train.py --steps 300 --out DIR    # the same as: python jobs.py gpt/train/pretrain ...
     python evaluate.py --ckpt runs/train     # score the checkpoint it wrote
-    python train.py --rl --init runs/train --out runs/rl   # then reinforce its addition (gpt/train/rl)
+    python train.py --sft --init runs/train --out runs/sft   # then fine-tune it on addition's answers (gpt/train/sft)
+    python train.py --rl --init runs/sft --out runs/rl       # then reinforce its addition (gpt/train/rl)
 
 Reading order: TrainConfig -> the training text (a mix of the four built-in tasks) ->
 BaseTrainer: optimizer, batches, one jitted step, the loop (checkpoints, logs, and an
-evaluation through Evaluator.from_trainer at the end) -> the reinforcement-learning stage:
+evaluation through Evaluator.from_trainer at the end) -> the supervised stage: SFTConfig,
+answer_batches, SupervisedTrainer (the same step on addition's answers) -> the reinforcement-learning stage:
 RLConfig, advantages, the REINFORCE loss, ReinforceTrainer (rollouts through
 Evaluator.evaluate, one jitted step, the same loop).
 """
