@@ -4066,13 +4066,16 @@ def command():
 
 @pytest.mark.parametrize("where", list(CTRL_C_SCRIPTS))
 def test_ctrl_c_ends_the_run_where_python_or_jax_would_hide_it(where):
+    # The command's own time, printed as it ends: importing jax on a busy machine takes 30 s
     script = ("import gc, signal, sys, time\nimport jobs\n"
               "signal.signal(signal.SIGINT, signal.default_int_handler)\n"  # as in a terminal
-              + CTRL_C_SCRIPTS[where] + "sys.exit(jobs.exit_status(command))\n")
-    start = time.time()
+              + CTRL_C_SCRIPTS[where]
+              + "def timed():\n    start = time.time()\n    try:\n        command()\n"
+                "    finally:\n        print(time.time() - start)\n"
+                "sys.exit(jobs.exit_status(timed))\n")
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 130 and time.time() - start < 20, proc.stderr
+                          timeout=300)
+    assert proc.returncode == 130 and float(proc.stdout) < 20, proc.stderr
     assert proc.stderr.strip().splitlines() == ["interrupted: nothing partial was written"]
 
 
