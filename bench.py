@@ -92,8 +92,8 @@ import evaluate
 import gpt
 import inference
 from hf import load_backbone
-from jobs import (SAFETENSORS_DTYPES, ByteTokenizer, ExecutionSpec, UsageError, exit_status, option, parse_options,
-                  write_atomic)
+from checkpoints import SAFETENSORS_DTYPES
+from jobs import ByteTokenizer, ExecutionSpec, UsageError, exit_status, option, parse_options, write_atomic
 
 
 @dataclasses.dataclass
@@ -711,7 +711,8 @@ OUR_SIDE = """
 import json, sys
 import jax
 import evaluate
-from jobs import ExecutionSpec, Node, parse_options
+from checkpoints import Node
+from jobs import ExecutionSpec, parse_options
 compiled, loaded = [], []
 
 def on_event(event, **meta):  # a hit comes within its program's compile event
@@ -1553,7 +1554,7 @@ def shapes_report_table(cfg: BenchConfig, s: Dict[str, Any]) -> List[str]:
 LOAD_SIDE = """
 import json, sys, time
 import jax
-import gpt, jobs
+import checkpoints, gpt
 from hf import load_backbone
 
 def rss(field):
@@ -1562,15 +1563,15 @@ def rss(field):
 
 path, dtype = sys.argv[1], sys.argv[2]
 mesh, before, start, cpu = gpt.make_mesh(), rss("VmRSS"), time.perf_counter(), time.process_time()
-if jobs.Node(path).is_native:
-    _, variables, _ = jobs.load_checkpoint(path, mesh, dtype)
+if checkpoints.Node(path).is_native:
+    _, variables, _ = checkpoints.load_checkpoint(path, mesh, dtype)
 else:
     _, variables = load_backbone(path, dtype, mesh)
 jax.block_until_ready(variables)
 seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
 placed = sum(s.data.nbytes for x in jax.tree.leaves(variables) for s in x.addressable_shards)
 print(json.dumps({"seconds": seconds, "cpu_seconds": cpu_seconds, "rss_before": before, "peak_rss": rss("VmHWM"), "placed": placed,
-                  "read": jobs.TensorFiles.bytes_read, "devices": len(jax.local_devices())}))
+                  "read": checkpoints.TensorFiles.bytes_read, "devices": len(jax.local_devices())}))
 """
 
 

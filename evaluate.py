@@ -38,10 +38,10 @@ import gpt
 from hf import load_backbone, resolve_checkpoint  # load_backbone: the reference API has it here too
 from inference import (MIN_TEMPERATURE, GenerationRequest, InferenceJob, PlanError, RequestError,
                        Request, Scored, per_document)
-from jobs import (MAX_SEED, ByteTokenizer, ExecutionSpec, HFTokenizer, Node, UsageError, builtin_items,
-                  checkpoint_files, exit_status, file_digest, is_checkpoint_file, is_eval_item, job, lean_cpu_schedules,
-                  load_checkpoint, load_tokenizer, model_config, open_regular, option, parse_options, read_json, short,
-                  signals_held, to_host, write_atomic)
+from checkpoints import Node, load_checkpoint, model_config, to_host
+from jobs import (MAX_SEED, ByteTokenizer, ExecutionSpec, HFTokenizer, UsageError, builtin_items, checkpoint_files,
+                  exit_status, file_digest, is_checkpoint_file, is_eval_item, job, lean_cpu_schedules, load_tokenizer,
+                  open_regular, option, parse_options, read_json, short, signals_held, write_atomic)
 from tasks import LM_EVAL, check_task_options, run_tasks
 
 

@@ -1315,7 +1315,7 @@ def place_params(model: Module, mesh: Mesh, host_params: Any) -> Any:
     """Put a host parameter tree into the model's mesh shardings, block by block.
 
     A leaf is a numpy array, or anything with a shape whose [index] reads that block as
-    numpy (a checkpoint's tensors, read only then: see jobs.LazyTensor). Each process reads
+    numpy (a checkpoint's tensors, read only then: see checkpoints.LazyTensor). Each process reads
     only the blocks its devices hold, each distinct block once however many of its devices
     hold it, and a parameter's blocks are let go once they are on their devices.
     """

@@ -6,7 +6,7 @@
 Reading order: hub ids (ORG/NAME[@REVISION] as a snapshot directory of the HuggingFace
 cache, downloaded where allowed, and the commit it is) -> the config (read through transformers' config classes) -> GPT fields per
 family (gpt.FAMILIES holds what differs; this file maps names and layouts onto it) ->
-the tensors of each family through jobs.TensorFiles (views of the stored tensors; a block is
+the tensors of each family through checkpoints.TensorFiles (views of the stored tensors; a block is
 read and checked when a device takes it) -> load_backbone -> export_gpt2 (a GPT-2-layout GPT
 as a directory transformers loads).
 
@@ -44,9 +44,9 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # its import-ti
 import transformers  # noqa: E402  (torch is never needed, and the first line on stderr is ours)
 
 import gpt
-from jobs import (CHAT_TEMPLATES, TOKENIZER_FILES, Node, TensorFiles, UsageError, check_model_fields,
-                  concatenated, exit_status, first_line, flatten, param_shapes, read_config, read_json, short, split,
-                  stacked)
+from checkpoints import (Node, TensorFiles, check_model_fields, concatenated, flatten, param_shapes, read_config,
+                         split, stacked)
+from jobs import CHAT_TEMPLATES, TOKENIZER_FILES, UsageError, exit_status, first_line, read_json, short
 
 SUPPORTED = ("gpt2", "llama", "qwen2", "qwen3", "gpt_neox", "mistral", "gemma3_text", "gemma2", "phi3", "olmo2",
              "granite", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
@@ -407,7 +407,7 @@ def expert_fields(config: Any) -> Dict[str, Any]:
 
 # ----------------------------------------------------------------------------- tensors per family
 # Each reader returns the GPT's parameter tree from a directory's tensors, unread (see
-# jobs.LazyTensor): the family's layout (transposes, fused tensors split, experts stacked)
+# checkpoints.LazyTensor): the family's layout (transposes, fused tensors split, experts stacked)
 # is a view of the stored tensors, so a device's block reads only the bytes it holds. The
 # shapes asked for come from the model, so a config that does not match the file fails
 # naming the tensor.

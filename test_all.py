@@ -62,6 +62,7 @@ from safetensors.numpy import load_file, save_file
 jax.config.update("jax_numpy_rank_promotion", "raise")  # broadcasting must be explicit
 
 import bench as bench_module
+import checkpoints
 import evaluate
 import gpt
 import hf
@@ -355,7 +356,7 @@ def test_fields_survive_a_native_config_json():
     tuple again (flax fields must hash)."""
     for fields in (EVERYTHING, MIXTURE):
         model = tiny(**fields)
-        again = gpt.GPT(**json.loads(json.dumps(jobs.model_config(model))))
+        again = gpt.GPT(**json.loads(json.dumps(checkpoints.model_config(model))))
         assert again == model and hash(again) == hash(model) and isinstance(again.rope_scaling, tuple)
 
 
@@ -363,7 +364,7 @@ def test_native_configs_check_the_later_fields():
     """A native config.json's mixture, soft-cap, multipliers and longrope are checked up
     front, as the other fields are (test_bad_native_checkpoints_are_refused_before_anything_is_built)."""
     base = {**TINY, **MIXTURE, "rope_scaling": list(MIXTURE["rope_scaling"])}
-    assert jobs.check_model_fields(base, "config.json") == tiny(**MIXTURE)
+    assert checkpoints.check_model_fields(base, "config.json") == tiny(**MIXTURE)
     bad = [("n_experts", 0, "n_experts must be at least 1"), ("n_experts_per_token", 5, "at most n_experts 4"),
            ("mlp", "gelu", "experts are gated MLPs"), ("attn_softcap", 0.0, "attn_softcap must be above 0"),
            ("logits_scaling", 0, "logits_scaling must be above 0"), ("pre_norm", 1, "'pre_norm' must be true or false"),
@@ -371,7 +372,7 @@ def test_native_configs_check_the_later_fields():
                                                             "factor and 3 short factors")]
     for name, value, needle in bad:
         with pytest.raises(UsageError, match=re.escape(needle)):
-            jobs.check_model_fields({**base, name: value}, "config.json")
+            checkpoints.check_model_fields({**base, name: value}, "config.json")
 
 
 @pytest.fixture(scope="module", params=[{}, EVERYTHING, MIXTURE], ids=["gpt2", "everything", "mixture"])
@@ -1492,8 +1493,8 @@ def test_cli_data_files_score_as_the_simplest_path(tiny_ckpt, files, batch, mesh
 def test_checkpoint_round_trip(small, tmp_path):
     model, host = small
     mesh = mesh_of()
-    jobs.save_checkpoint(str(tmp_path / "ck"), model, gpt.place_params(model, mesh, host), {"kind": "bytes"})
-    restored, variables, config = jobs.load_checkpoint(str(tmp_path / "ck"), mesh_of(4, 2))
+    checkpoints.save_checkpoint(str(tmp_path / "ck"), model, gpt.place_params(model, mesh, host), {"kind": "bytes"})
+    restored, variables, config = checkpoints.load_checkpoint(str(tmp_path / "ck"), mesh_of(4, 2))
     assert restored == model and config["tokenizer"] == {"kind": "bytes"}
     jax.tree.map(np.testing.assert_array_equal, host, jax.device_get(variables))  # bit-exact weights
     assert variables["params"]["blocks_0"]["mlp"]["up"]["kernel"].sharding.spec == jax.sharding.PartitionSpec(None, "shard")
@@ -1520,7 +1521,7 @@ def cli(*args, devices=2, timeout=300):
 def tiny_ckpt(small, tmp_path_factory):
     model, host = small
     path = tmp_path_factory.mktemp("ckpt") / "tiny"
-    jobs.save_checkpoint(str(path), model, gpt.place_params(model, mesh_of(), host), {"kind": "bytes"})
+    checkpoints.save_checkpoint(str(path), model, gpt.place_params(model, mesh_of(), host), {"kind": "bytes"})
     return path
 
 
@@ -1646,8 +1647,8 @@ def test_exit_status_gives_back_the_callers_signal_handlers(capsys):
         sys.unraisablehook = hook
 
 
-PROJECT_FILES = {"gpt": 0, "inference": 1, "jobs": 1, "hf": 2, "tasks": 3, "evaluate": 4, "train": 5,
-                 "bench": 5}  # import order
+PROJECT_FILES = {"gpt": 0, "inference": 1, "jobs": 1, "checkpoints": 2, "hf": 3, "tasks": 4, "evaluate": 5,
+                 "train": 6, "bench": 6}  # import order
 
 
 def test_every_relative_link_in_the_docs_resolves():
@@ -1680,9 +1681,12 @@ def test_readme_python_example_runs_as_shown(capsys):
 
 
 def test_imports_flow_one_way_and_sit_at_the_top():
-    """gpt.py <- inference.py, jobs.py <- hf.py <- tasks.py <- evaluate.py <- train.py, bench.py:
-    each file imports only files before it, and only at module level (no import inside a
-    function); inference.py and jobs.py do not import each other."""
+    """gpt.py <- inference.py, jobs.py <- checkpoints.py <- hf.py <- tasks.py <- evaluate.py <-
+    train.py, bench.py: each file imports only files before it, and only at module level (no
+    import inside a function); inference.py and jobs.py do not import each other. Every file
+    is in the README's table."""
+    table = re.findall(r"^\| `(\w+)\.py` \|", (ROOT / "README.md").read_text(), re.M)
+    assert sorted(table) == sorted([*PROJECT_FILES, "test_all"]) == sorted(p.stem for p in ROOT.glob("*.py"))
     for name, rank in PROJECT_FILES.items():
         tree = ast.parse((ROOT / f"{name}.py").read_text())
         for node in ast.walk(tree):
@@ -1752,7 +1756,7 @@ def test_trainer_learns_and_evaluates_through_from_trainer(tmp_path):
     losses = [r["loss"] for r in log if "loss" in r]
     assert losses[-1] < losses[0] - 1.0
     assert set(log[-1]["eval"]) == set(trainer.EVALUATION)
-    model, _, config_json = jobs.load_checkpoint(str(tmp_path / "train"), mesh_of())
+    model, _, config_json = checkpoints.load_checkpoint(str(tmp_path / "train"), mesh_of())
     assert config_json["step"] == 30 and model == trainer.model
     assert not (tmp_path / "train" / jobs.LOCK_FILE).exists()
     held = jobs.DirectoryLock(tmp_path / "train")  # another run writing there: refused before a step
@@ -1794,7 +1798,7 @@ def test_rl_steps_raise_a_toy_reward(small, tiny_ckpt, tmp_path, mesh, ptx, monk
     before, after = chosen_probability(*small), chosen_probability(trainer.model, jax.device_get(trainer.variables))
     assert before < 0.3 and after > before + 0.3 and np.mean(rewards[-2:]) > np.mean(rewards[:2]) + 0.2, rewards
     assert set(log[-1]["eval"]) == {"grammar"}  # Evaluator.from_trainer at the end
-    model, _, config_json = jobs.load_checkpoint(str(tmp_path / "rl"), mesh_of())
+    model, _, config_json = checkpoints.load_checkpoint(str(tmp_path / "rl"), mesh_of())
     assert config_json["step"] == 6 and model == trainer.model
 
 
@@ -1824,7 +1828,7 @@ def test_sft_then_rl_raise_a_toy_reward(small, tiny_ckpt, tmp_path, mesh, monkey
     trainer.run()
     after_rl = chosen_probability(trainer.model, jax.device_get(trainer.variables))
     assert before + 0.1 < after_sft and after_sft + 0.1 < after_rl, (before, after_sft, after_rl)
-    model, _, config_json = jobs.load_checkpoint(sft.out, mesh_of())  # SFT wrote what --rl --init took
+    model, _, config_json = checkpoints.load_checkpoint(sft.out, mesh_of())  # SFT wrote what --rl --init took
     assert config_json["step"] == 2 and model == trainer.model
 
 
@@ -2257,7 +2261,7 @@ def stored_blocks(draw):
     for n in shape:
         start = draw(st.integers(0, n))
         index.append(slice(start, draw(st.integers(start, n))))
-    return shape, tuple(index), draw(st.sampled_from(jobs.FLOAT_DTYPES))
+    return shape, tuple(index), draw(st.sampled_from(checkpoints.FLOAT_DTYPES))
 
 
 @fuzz_settings(60)
@@ -2270,23 +2274,23 @@ def test_a_block_read_from_a_file_is_the_tensors_slice(tmp_path_factory, stored,
     tensor = np.random.default_rng(seed).standard_normal(shape).astype(stored_dtype)
     path = tmp_path_factory.mktemp("block")
     save_file({"pad": np.ones(3, np.float16), "w": tensor}, str(path / "model.safetensors"))  # w at an odd offset
-    before = jobs.TensorFiles.bytes_read
-    block = jobs.TensorFiles(str(path), dtype).get("w", shape)[index]
+    before = checkpoints.TensorFiles.bytes_read
+    block = checkpoints.TensorFiles(str(path), dtype).get("w", shape)[index]
     np.testing.assert_array_equal(block, tensor[index].astype(dtype))
     assert block.dtype == np.dtype(dtype) and block.flags.c_contiguous
-    assert block.ctypes.data % jobs.ALIGNMENT == 0 or not block.size
-    assert jobs.TensorFiles.bytes_read - before == tensor[index].nbytes
+    assert block.ctypes.data % checkpoints.ALIGNMENT == 0 or not block.size
+    assert checkpoints.TensorFiles.bytes_read - before == tensor[index].nbytes
 
 
 @fuzz_settings(100)
-@hypothesis.given(dtype=st.sampled_from(jobs.FLOAT_DTYPES), data=st.data())
+@hypothesis.given(dtype=st.sampled_from(checkpoints.FLOAT_DTYPES), data=st.data())
 def test_the_nan_check_reads_every_bit_pattern_as_isfinite_does(dtype, data):
-    """jobs.all_finite (two integer maxima over the bits, no copy) against numpy's isfinite:
+    """checkpoints.all_finite (two integer maxima over the bits, no copy) against numpy's isfinite:
     any bit patterns, so every NaN, both infinities, -0 and the largest finite values."""
     bits = 8 * np.dtype(dtype).itemsize
     words = data.draw(st.lists(st.integers(0, 2**bits - 1), max_size=6))
     array = np.array(words, f"uint{bits}").view(dtype)
-    assert jobs.all_finite(array) == bool(np.isfinite(array.astype(np.float64)).all())
+    assert checkpoints.all_finite(array) == bool(np.isfinite(array.astype(np.float64)).all())
 
 
 @needs_torch
@@ -2300,11 +2304,11 @@ def test_parameters_made_on_the_mesh_from_the_files_are_the_host_trees_placed(hf
         for family in FAMILIES:
             path = hf_models[family][0]
             model, host = load_backbone(path)
-            before = jobs.TensorFiles.bytes_read
+            before = checkpoints.TensorFiles.bytes_read
             _, placed = load_backbone(path, mesh=mesh)
             assert_same_placed(placed, gpt.place_params(model, mesh, host))
             # each block read once however many devices hold it: at most the float32 files' bytes
-            assert jobs.TensorFiles.bytes_read - before <= 4 * sum(x.size for x in jax.tree.leaves(host))
+            assert checkpoints.TensorFiles.bytes_read - before <= 4 * sum(x.size for x in jax.tree.leaves(host))
     path = hf_models["qwen3_moe"][0]
     model, host = load_backbone(path, "bfloat16")
     assert_same_placed(load_backbone(path, "bfloat16", mesh)[1], gpt.place_params(model, mesh, host))
@@ -2314,13 +2318,13 @@ TWO_PROCESS_LOAD = """
 import sys
 import jax, numpy as np
 jax.distributed.initialize(coordinator_address=sys.argv[2], num_processes=2, process_id=int(sys.argv[3]))
-import gpt, jobs
+import checkpoints, gpt
 from hf import load_backbone
 # a 2x4 mesh whose "shard" axis spans both processes: each holds two of the four shards, each twice
 d = jax.devices()
 mesh = gpt.make_mesh(2, 4, devices=[d[4 * (s // 2) + 2 * b + s % 2] for b in range(2) for s in range(4)])
 model, placed = load_backbone(sys.argv[1], mesh=mesh)
-read = jobs.TensorFiles.bytes_read
+read = checkpoints.TensorFiles.bytes_read
 _, host = load_backbone(sys.argv[1])
 for a, whole in zip(jax.tree.leaves(placed), jax.tree.leaves(host)):
     for shard in a.addressable_shards:
@@ -2832,9 +2836,9 @@ def test_huggingface_model_saved_native_reloads_identically(hf_models, tmp_path)
     path, _ = hf_models["qwen3"]
     model, host = load_backbone(path)
     mesh = gpt.make_mesh(1, 1, devices=jax.devices()[:1])
-    jobs.save_checkpoint(str(tmp_path / "native"), model, gpt.place_params(model, mesh, host),
+    checkpoints.save_checkpoint(str(tmp_path / "native"), model, gpt.place_params(model, mesh, host),
                          HFTokenizer(path).describe())
-    restored, variables, config = jobs.load_checkpoint(str(tmp_path / "native"), mesh)
+    restored, variables, config = checkpoints.load_checkpoint(str(tmp_path / "native"), mesh)
     tokenizer = jobs.load_tokenizer(config, str(tmp_path / "native"))
     ids, mask = left_padded(tokenizer.tok)
     np.testing.assert_array_equal(our_logits(model, host, ids, mask), our_logits(restored, variables, ids, mask))
@@ -3793,7 +3797,7 @@ def save_tiny(path, scale=1.0, **fields):
     model = gpt.GPT(**{**SMALL, **fields})
     mesh = gpt.make_mesh(1, 1, devices=jax.devices()[:1])
     variables = jax.tree.map(lambda x: x * scale, gpt.init_params(model, mesh, seed=1))
-    jobs.save_checkpoint(str(path), model, variables, {"kind": "bytes"})
+    checkpoints.save_checkpoint(str(path), model, variables, {"kind": "bytes"})
     return path
 
 
@@ -4144,7 +4148,7 @@ def test_killed_training_leaves_a_loadable_checkpoint(tmp_path):
     _, err = proc.communicate()
     assert "step 10/100000: loss" in err  # no terminal: progress comes as plain lines
     mesh = gpt.make_mesh(1, 1, devices=jax.devices()[:1])
-    model, variables, config = jobs.load_checkpoint(str(out), mesh)
+    model, variables, config = checkpoints.load_checkpoint(str(out), mesh)
     assert config["step"] >= 2 and model.n_embd == 32
 
 
@@ -4300,7 +4304,7 @@ def test_the_journal_changes_no_block_a_run_executes(ckpt, tmp_path, monkeypatch
         cfg.validate()
         spec = jobs.ExecutionSpec(name=evaluate.BackboneEvaluate.KEY, out_dir=cfg.out, mesh=cfg.mesh, seed=cfg.seed,
                                   cfg=cfg)
-        return evaluate.BackboneEvaluate(spec, jobs.Node(cfg.ckpt)), spec, cfg
+        return evaluate.BackboneEvaluate(spec, checkpoints.Node(cfg.ckpt)), spec, cfg
 
     journaled, _, _ = job("run")
     journaled.run()  # the command line's run, its journal written as it goes
@@ -4822,9 +4826,9 @@ def test_hub_ids_resolve_offline_through_the_cache(hf_gpt2, tmp_path, monkeypatc
     said = []
     monkeypatch.chdir(tmp_path)
     shutil.copytree(hf_gpt2, tmp_path / "org" / "tiny")
-    assert hf.resolve_checkpoint("org/tiny", said.append) == jobs.Node("org/tiny")
+    assert hf.resolve_checkpoint("org/tiny", said.append) == checkpoints.Node("org/tiny")
     assert len(said) == 1 and "the local directory" in said[0]
-    assert hf.resolve_checkpoint("org", said.append) == jobs.Node("org") and len(said) == 1  # no hub id
+    assert hf.resolve_checkpoint("org", said.append) == checkpoints.Node("org") and len(said) == 1  # no hub id
     from huggingface_hub.utils import filter_repo_objects  # what snapshot_download fetches of a listing
     listing = ["config.json", "generation_config.json", "model.safetensors", "model-00001-of-00002.safetensors",
                "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json", "merges.txt",

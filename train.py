@@ -32,11 +32,12 @@ import optax
 from tqdm import tqdm
 
 import gpt
+import checkpoints
 import jobs
 from evaluate import Evaluator, EvaluatorConfig, RolloutEvaluation, check_processes, start_processes
 from inference import MIN_TEMPERATURE
-from jobs import (ByteTokenizer, ExecutionSpec, Node, UsageError, builtin_items, job, load_checkpoint,
-                  load_tokenizer, option, save_checkpoint)
+from checkpoints import Node, load_checkpoint, save_checkpoint
+from jobs import ByteTokenizer, ExecutionSpec, UsageError, builtin_items, job, load_tokenizer, option
 
 
 @dataclasses.dataclass
@@ -82,7 +83,7 @@ class TrainConfig:
         of a width its heads do not divide could be read back, nor one beyond memory built."""
         fields = dict(n_layers=self.n_layers, n_embd=self.n_embd, n_head=self.n_head, rope=self.rope,
                       block_size=max(self.seq_len, gpt.GPT.block_size))
-        return jobs.check_model_fields(fields, "--n-layers, --n-embd, --n-head and --seq-len")
+        return checkpoints.check_model_fields(fields, "--n-layers, --n-embd, --n-head and --seq-len")
 
 
 def check_optimizer_options(cfg: Any) -> None:
