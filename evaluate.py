@@ -422,6 +422,8 @@ class EvaluatorConfig:
     dtype: str = option("float32", "parameters and activations: float32 or bfloat16")
     quiet: bool = option(False, "no table and no progress bars on stderr")
     chunks: int = option(16, "batches scanned inside one jitted call")
+    simple: bool = option(False, "the simple path: a request a row, a batch of prompts at a time through "
+                                 "gpt.generate (slow; the same scores, to check or to read)")
     no_compile_cache: bool = option(False, "compile every program afresh: no persistent compilation cache "
                                     "(default: in ~/.cache/gpt-eval/jax, at most 2 GiB; also GPT_EVAL_COMPILE_CACHE=0)")
     coordinator: Optional[str] = option(None, "HOST:PORT of process 0, for a multi-process run")
@@ -473,7 +475,7 @@ class Evaluator(InferenceJob):
             parts = Parts(*self.load(mesh), mesh)
         with refused_as_usage():
             super().__init__(*parts, batch_size=self.cfg.batch_size, chunks=self.cfg.chunks, seed=spec.seed,
-                             quiet=self.cfg.quiet)
+                             quiet=self.cfg.quiet, simple=self.cfg.simple)
         self.evaluations = self.build_evaluations() if evaluations is None else evaluations
 
     def load(self, mesh: jax.sharding.Mesh) -> Tuple[gpt.GPT, Any, Any]:

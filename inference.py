@@ -454,6 +454,11 @@ def rollout_row(tokens_P: np.ndarray, mask_P: np.ndarray, new: List[int], n_new:
     return tokens, mask
 
 
+def sample_keys(ids_B: jax.Array, seed: Any) -> jax.Array:
+    """One sampling key per row, its document's: the same text at any batch size, mesh or order."""
+    return jax.vmap(lambda i: jax.random.fold_in(jax.random.key(seed), i))(ids_B)
+
+
 def padded_length(n: int, cap: int) -> int:
     """n rounded up to a multiple of 1/16 of its next power of two (at least 16), at most
     cap: a row of more than 256 tokens is at most 1/8 padding (3% on average), and there
@@ -555,20 +560,22 @@ class InferenceJob:
 
     def __init__(self, model: gpt.GPT, variables: Any, tokenizer: Tokenizer, mesh: jax.sharding.Mesh,
                  batch_size: int = 8, chunks: int = 16, seed: int = 0, quiet: bool = False,
-                 share_contexts: bool = True):
+                 share_contexts: bool = True, simple: bool = False):
         """`variables` are the model's parameters placed on `mesh` (gpt.init_params or
         gpt.place_params); batch_size is the most rows per forward pass (rounded up to a
         multiple of the mesh's "batch" size), chunks how many batches one jitted call scans,
         seed the default of generate_until's sampling, quiet turns progress reports off,
-        share_contexts packs requests of one context into one row (off: a row each)."""
+        share_contexts packs requests of one context into one row (off: a row each), simple
+        runs every request type the simple way (see "the simple path" below)."""
         if tokenizer.vocab_size > model.vocab_size:
             raise RequestError(f"the tokenizer's ids reach {tokenizer.vocab_size - 1} (vocab_size "
                                f"{tokenizer.vocab_size}), beyond the model's embedding of {model.vocab_size} rows")
         self.model, self.variables, self.tokenizer, self.mesh = model, variables, tokenizer, mesh
         self.requested_batch_size, self.chunks, self.seed, self.quiet = batch_size, chunks, seed, quiet
-        self.share_contexts = share_contexts
+        self.share_contexts, self.simple = share_contexts, simple
         self.dp = mesh.shape["batch"]
         self.replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        self._simple_score = jax.jit(self.simple_score, out_shardings=self.replicated)
         self._score = jax.jit(self._score_block, out_shardings=self.replicated)
         self._take_rows = jax.jit(self.take_rows)
         self._generators: Dict[Tuple, Tuple[Callable, Callable]] = {}
@@ -724,6 +731,67 @@ class InferenceJob:
             raise RequestError(f"batch size {self.requested_batch_size}: a batch of {rows} x {length} tokens needs "
                              f"about {gpt.gigabytes(needed)}, more than the {gpt.gigabytes(free)} available")
 
+    # --- the simple path (simple=True): each request alone in a plain causal row, each batch of
+    # prompts through gpt.generate. The fast path below (packing, row filling, shape buckets,
+    # continuous batching, a shared prefix) gives the same results; test_all.py checks it.
+
+    def simple_score(self, variables: Any, tokens_BT: jax.Array, targets_BT: jax.Array) -> Tuple[jax.Array, jax.Array]:
+        """(log-probability of each target, whether it is the argmax) [B, T]: one forward pass."""
+        logits_BTV, _ = self.model.apply(variables, tokens_BT, deterministic=True)
+        return -gpt.token_nll(logits_BTV, targets_BT), is_argmax(logits_BTV, targets_BT)
+
+    def simple_scored(self, requests: Iterable[Request], keep_rows: bool) -> Iterator[Tuple[Request, Scored]]:
+        """loglikelihood the simple way: a request a row of max_len tokens (its last max_len + 1
+        tokens of context + continuation less the last, right-padded), its continuation
+        scored at the last predictions; batch_size rows a forward pass."""
+        requests, T, B = iter(requests), self.max_len, self.batch_size
+        while batch := list(itertools.islice(requests, B)):
+            rows = [(r.context + r.continuation)[-(T + 1):] for r in batch]
+            tokens, mask = self.pad([row[:-1] for row in rows], T, B, left=False)
+            targets, _ = self.pad([row[1:] for row in rows], T, B, left=False)
+            with jax.set_mesh(self.mesh):  # traced under the mesh: gpt.rows_at_a_time reads it
+                out = self._simple_score(self.variables, self.put(tokens, 0), self.put(targets, 0))
+            logprob, correct = (np.asarray(o) for o in out)
+            self.blocks_run.append((int(mask.sum()), 1, B, T))
+            self.advance(len({r.doc for r in batch}), int(mask.sum()))
+            for b, (r, row) in enumerate(zip(batch, rows)):
+                scored = slice(len(row) - 1 - len(r.continuation), len(row) - 1)
+                yield r, Scored(float(logprob[b, scored].sum(dtype=np.float64)), len(r.continuation),
+                                int(correct[b, scored].sum()), (tokens[b], mask[b]) if keep_rows else None)
+
+    def simple_generator(self, n_new: int, temperature: float, top_p: float) -> Callable:
+        """gpt.generate jitted once per decoding setting, each row sampled with its document's key."""
+        key = ("simple", n_new, temperature, top_p)
+        if key not in self._generators:
+            def run(variables, prompts_BP, mask_BP, ids_B, seed):
+                return gpt.generate(self.model, variables, prompts_BP, mask_BP, n_new, self.tokenizer.eos_token_id,
+                                    temperature, top_p, sample_keys(ids_B, seed))
+            self._generators[key] = jax.jit(run, out_shardings=self.replicated)
+        return self._generators[key]
+
+    def simple_generations(self, requests: Iterable[GenerationRequest], room: int, n_new: int,
+                           sampling: Tuple[float, float, int], keep_rows: bool) -> Iterator[Tuple[GenerationRequest,
+                                                                                                    Generation]]:
+        """generate_until the simple way: batch_size prompts (their last `room` tokens, left-padded)
+        decoded to n_new tokens whatever their stop strings, then each cut through EOS or the
+        token that completes a stop string (an empty prompt generates nothing)."""
+        temperature, top_p, seed = sampling
+        generate, requests, B = self.simple_generator(n_new, temperature, top_p), iter(requests), self.batch_size
+        while batch := list(itertools.islice(requests, B)):
+            prompts = [r.prompt[-room:] for r in batch]
+            tokens, mask = self.pad(prompts, room, B, left=True)
+            ids = np.array([r.doc for r in batch] + [0] * (B - len(batch)), np.int32)
+            with jax.set_mesh(self.mesh):
+                new = np.asarray(generate(self.variables, self.put(tokens, 0), self.put(mask, 0), self.put(ids, 0),
+                                          seed))
+            self.blocks_run.append((int(mask.sum()), 1, B, room))
+            for b, (r, p) in enumerate(zip(batch, prompts)):
+                out = new[b].tolist() if p else []
+                end = steps_to_end(out, self.tokenizer.eos_token_id, r.until, self.tokenizer.decode)
+                row = rollout_row(tokens[b], mask[b], out[:end], n_new) if keep_rows else None
+                self.advance(1, len(p) + len(out))
+                yield r, self.generation(r, out, end, len(r.prompt) > room, row)
+
     # --- the jitted kernels
 
     def hidden(self, variables: Any, tokens_BT: jax.Array, layout: Optional[Tuple[jax.Array, ...]]) -> jax.Array:
@@ -804,8 +872,7 @@ class InferenceJob:
         (gpt.refill_rollout), the rollout donated too."""
         key = (n_new, temperature, top_p)
         if key not in self._generators:
-            eos = self.tokenizer.eos_token_id
-            keys = lambda ids_B, seed: jax.vmap(lambda i: jax.random.fold_in(jax.random.key(seed), i))(ids_B)
+            eos, keys = self.tokenizer.eos_token_id, sample_keys
 
             def start(variables, prompts_BP, mask_BP, ids_B, seed, prefix_1Q):
                 return gpt.start_rollout(self.model, variables, prompts_BP, mask_BP, n_new, eos, temperature, top_p,
@@ -876,8 +943,11 @@ class InferenceJob:
 
     def scored(self, requests: Iterable[Request], keep_rows: bool, kind: str) -> Iterator[Tuple[Request, Scored]]:
         """loglikelihood's (request, Scored) pairs: the windows the recorder kept, then each
-        other window's once it has run, told to the recorder."""
+        other window's once it has run, told to the recorder. (simple: simple_scored.)"""
         call = self.call_name(kind)
+        if self.simple:
+            yield from self.simple_scored(requests, keep_rows)
+            return
         kept, requests = self.replayed(call, iter(requests), (), Scored)
         yield from kept
         packs = pack_requests(requests, self.max_len, self.share_contexts)
@@ -942,6 +1012,9 @@ class InferenceJob:
             raise RequestError(f"--max-new-tokens {n_new} leaves no room in the context of {self.max_len}")
         seed = self.seed if seed is None else seed
         call, settings = self.call_name("generate_until"), (n_new, temperature, top_p, seed)
+        if self.simple:
+            yield from self.simple_generations(requests, room, n_new, (temperature, top_p, seed), keep_rows)
+            return
         kept, requests = self.replayed(call, iter(requests), settings, Generation)
         yield from kept
         while window := list(itertools.islice(requests, self.batch_size * SORT_WINDOW)):

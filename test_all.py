@@ -11,7 +11,6 @@ against 17 for one: much of a test is compiling, starting processes and importin
 """
 import ast
 import atexit
-import collections
 import contextlib
 import copy
 import dataclasses
@@ -1124,7 +1123,7 @@ def test_generation_computes_a_shared_prompt_prefix_once(small, batch, shard, mo
     assert shared_texts == whole_texts and any(r.row_steps < r.rows * r.steps for r in runs)
 
 
-# ---- the fast path against the simplest path: property-based differential tests
+# ---- the fast path against the simple path: property-based differential tests
 # Every mechanism of inference.py's fast path (contexts shared in a packed row, short packs
 # filling rows, one-token continuations without a row token, a few-shot prefix held once,
 # continuous batching with refills into a ring of cache slots and compaction, stop strings
@@ -1180,10 +1179,11 @@ def reference_generate(model, n_new, temperature, top_p):
     return jax.jit(run)
 
 
-def simple_loglikelihood(small, requests):
-    """Each request alone in a plain causal row (no packing, no sharing, no filling): the
-    last max_len + 1 tokens of context + continuation, less the last, its continuation
-    scored at the last predictions; (logprob, tokens, argmax count) in float64 sums."""
+def plain_loglikelihood(small, requests):
+    """Each request alone in a plain causal row, written out in numpy (the oracle of the
+    library's simple path): the last max_len + 1 tokens of context + continuation, less the
+    last, its continuation scored at the last predictions; (logprob, tokens, argmax count)
+    from float64 log-probabilities."""
     model, host = small
     T, rows = model.block_size, []
     for r in requests:
@@ -1204,10 +1204,11 @@ def simple_loglikelihood(small, requests):
     return out
 
 
-def simple_generate(small, tokenizer, requests, n_new, temperature=0.0, top_p=1.0, seed=0):
-    """Each prompt alone through gpt.generate, decoded to n_new tokens whatever its stop
-    strings, then cut: at EOS (dropped), then through the first token whose text completes
-    a stop string: (text, tokens, truncated) as InferenceJob.generate_until defines them."""
+def plain_generate(small, tokenizer, requests, n_new, temperature=0.0, top_p=1.0, seed=0):
+    """Each prompt through gpt.generate, decoded to n_new tokens whatever its stop strings,
+    then cut: at EOS (dropped), then through the first token whose text completes a stop
+    string (the oracle of the library's simple path): (text, tokens, truncated) as
+    InferenceJob.generate_until defines them."""
     model, host = small
     room, eos = model.block_size - n_new, tokenizer.eos_token_id
     prompts = [r.prompt[-room:] for r in requests]
@@ -1232,18 +1233,18 @@ def simple_generate(small, tokenizer, requests, n_new, temperature=0.0, top_p=1.
 
 @pytest.fixture(scope="module")
 def fuzz(small):
-    """(small, a Pieces tokenizer, job(mesh, batch_size, chunks) -> an InferenceJob, cached
-    so that each shape compiles once per job)."""
+    """(small, a Pieces tokenizer, job(mesh, batch_size, chunks, simple=False) -> an
+    InferenceJob, cached so that each shape compiles once per job)."""
     model, host = small
     last = np.asarray(logits_of(model, host, tokens((64, 8), vocab=250)))[:, -1]
     eos = int(np.bincount(last.argmax(-1)).argmax())  # the commonest first greedy token
     tokenizer = Pieces(int(eos))
 
     @functools.lru_cache(maxsize=None)
-    def job(mesh, batch_size, chunks):
+    def job(mesh, batch_size, chunks, simple=False):
         m = mesh_of(*mesh)
         return inference.InferenceJob(model, gpt.place_params(model, m, host), tokenizer, m, batch_size=batch_size,
-                                      chunks=chunks, quiet=True)
+                                      chunks=chunks, quiet=True, simple=simple)
     return Fuzzed(small, tokenizer, job)
 
 
@@ -1299,9 +1300,38 @@ def loglikelihood_requests(draw, max_len=SMALL["block_size"]):
 
 
 def assert_scored_alike(got, want):
-    """Log-likelihoods within 1e-5 relative, token counts and is_greedy counts identical."""
+    """Log-likelihoods within 1e-5 relative, token counts and is_greedy counts identical
+    (want: Scored, or (logprob, tokens, correct))."""
+    want = [(w.logprob, w.tokens, w.correct) if isinstance(w, inference.Scored) else w for w in want]
     np.testing.assert_allclose([s.logprob for s in got], [w[0] for w in want], rtol=1e-5, atol=1e-5)
     assert [(s.tokens, s.correct) for s in got] == [w[1:] for w in want]
+
+
+def simple_scores(job, requests):
+    """The library's simple path (InferenceJob(simple=True)): a request a row."""
+    return [s for _, s in job((1, 1), 16, 1, True).loglikelihood(requests)]
+
+
+def simple_generations(job, requests, *decoding):
+    """The library's simple path: batches of prompts through gpt.generate, cut afterwards."""
+    return [(g.text, g.tokens, g.truncated) for _, g in job((1, 1), 16, 1, True).generate_until(requests, *decoding)]
+
+
+@fuzz_settings(4)
+@hypothesis.given(requests=loglikelihood_requests(), prompts=st.data(), n_new=st.sampled_from([0, 6]),
+                  sampling=st.sampled_from([(0.0, 1.0), (0.8, 0.9)]))
+def test_the_simple_path_is_a_plain_forward_pass_and_gpt_generate(fuzz, requests, prompts, n_new, sampling):
+    """InferenceJob(simple=True), which the fast path is tested against, against the same
+    written out in numpy: log-likelihoods from float64 log-probabilities, and generations
+    from gpt.generate cut by a search over their texts."""
+    small, tokenizer, job = fuzz
+    assert_scored_alike(simple_scores(job, requests), plain_loglikelihood(small, requests))
+    drawn = at_room(prompts.draw(generation_prompts()), SMALL["block_size"] - n_new)
+    stops = prompts.draw(STOPS)
+    requests = [inference.GenerationRequest(i, p, stop_strings(specs, tokenizer.decode(p[-3:])))
+                for i, (p, specs) in enumerate(zip(drawn, stops))]
+    assert (simple_generations(job, requests, n_new, *sampling, 1)
+            == plain_generate(small, tokenizer, requests, n_new, *sampling, 1))
 
 
 SIX_HELLOS = [inference.Request(i, list(f"hello {i}".encode()), list(choice.encode()))
@@ -1318,11 +1348,11 @@ PREFIX_ALONE = [inference.Request(0, list(b"Q: 1+1=2. Q: 3+3="), list(b"6")),
 @hypothesis.example(requests=PREFIX_ALONE, mesh=(1, 1), batch=4, chunks=16, fill=inference.FILL_LENGTH)
 def test_loglikelihood_equals_a_request_a_row(fuzz, requests, mesh, batch, chunks, fill):
     """loglikelihood on any mesh, batch size and chunking, with packing, shared prefixes and
-    row filling (rows of `fill` tokens), scores every request as it scores alone."""
-    small, _, job = fuzz
+    row filling (rows of `fill` tokens), scores every request as the simple path does."""
+    _, _, job = fuzz
     with mock.patch.object(inference, "FILL_LENGTH", fill):
         got = [s for _, s in job(mesh, batch, chunks).loglikelihood(requests)]
-    assert_scored_alike(got, simple_loglikelihood(small, requests))
+    assert_scored_alike(got, simple_scores(job, requests))
 
 
 @fuzz_settings(6)
@@ -1337,7 +1367,7 @@ def test_rolling_loglikelihood_equals_a_window_a_row(fuzz, data, mesh, batch):
     got = list(job(mesh, batch, 16).loglikelihood_rolling(documents))
     windows = [inference.rolling_requests(d, tokenizer.eos_token_id, max_len) or [([tokenizer.eos_token_id], [])]
                for d in documents]
-    want = simple_loglikelihood(small, [inference.Request(0, c, t) for w in windows for c, t in w])
+    want = simple_scores(job, [inference.Request(0, c, t) for w in windows for c, t in w])
     assert [len(g) for g in got] == [len(w) for w in windows]
     assert_scored_alike([s for g in got for s in g], want)
 
@@ -1388,11 +1418,11 @@ def test_generation_equals_a_prompt_alone_decoded_to_the_end(fuzz, prompts, stop
     small, tokenizer, job = fuzz
     temperature, top_p = sampling
     prompts = at_room(prompts, SMALL["block_size"] - n_new)
-    whole = simple_generate(small, tokenizer, [inference.GenerationRequest(i, p, ()) for i, p in enumerate(prompts)],
-                            n_new, temperature, top_p, seed)
+    whole = simple_generations(job, [inference.GenerationRequest(i, p, ()) for i, p in enumerate(prompts)],
+                               n_new, temperature, top_p, seed)
     requests = [inference.GenerationRequest(i, p, stop_strings(specs, w[0]))
                 for i, (p, w, specs) in enumerate(zip(prompts, whole, stops))]
-    want = simple_generate(small, tokenizer, requests, n_new, temperature, top_p, seed)
+    want = simple_generations(job, requests, n_new, temperature, top_p, seed)
     with mock.patch.object(inference, "REFILL", refill), \
             mock.patch.object(inference, "SHARED_PREFIX_STEP", prefix_step):
         got = [(g.text, g.tokens, g.truncated) for _, g in
@@ -1401,7 +1431,7 @@ def test_generation_equals_a_prompt_alone_decoded_to_the_end(fuzz, prompts, stop
 
 
 # the same properties through the command line: random --data files of the four kinds, and
-# random lm-eval task YAMLs over local JSONL, against the simplest path of our own and
+# random lm-eval task YAMLs over local JSONL, against the simple path of our own and
 # against lm-eval's own HF model
 
 def main_in_process(*args):
@@ -1411,18 +1441,6 @@ def main_in_process(*args):
     with contextlib.redirect_stderr(err):
         status = evaluate.main([str(a) for a in args])
     return status, err.getvalue()
-
-
-@contextlib.contextmanager
-def simplest_path():
-    """The inference core with its fast mechanisms off: a request a row (no packing, no
-    shared contexts, no filling), a batch at a time, no shared generation prefix."""
-    pack = inference.pack_requests
-    alone = lambda requests, max_len, share: pack(requests, max_len, False)
-    with mock.patch.object(inference, "pack_requests", alone), \
-            mock.patch.object(inference, "FILL_LENGTH", 1), mock.patch.object(inference, "REFILL", False), \
-            mock.patch.object(inference, "SHARED_PREFIX_STEP", 1 << 30):
-        yield
 
 
 FUZZ_TEXT = "ab c.\né"  # é: two bytes, so a character can end inside a token pair
@@ -1471,17 +1489,17 @@ def samples_alike(got, want):
 @hypothesis.given(files=data_files(), batch=st.integers(1, 17), mesh=st.sampled_from(["1x1", "4x2", "2x4", "8x1"]),
                   n_new=st.sampled_from([1, 6]), sampling=st.sampled_from([["--temperature", "0"],
                                                                            ["--temperature", "0.8", "--seed", "3"]]))
-def test_cli_data_files_score_as_the_simplest_path(tiny_ckpt, files, batch, mesh, n_new, sampling):
+def test_cli_data_files_score_as_the_simple_path(tiny_ckpt, files, batch, mesh, n_new, sampling):
     """`evaluate.py --data` on random files of the four kinds, any batch size and mesh: the
-    samples and results of the simplest path (a request a row, batch 1, one device)."""
+    samples and results of the simple path (--simple: a request a row, batch 1, one device)."""
     with tempfile.TemporaryDirectory() as tmp:
         data = sum([["--data", f"{kind}:{write_jsonl(Path(tmp) / f'{kind}.jsonl', rows)}"]
                     for kind, rows in files.items()], [])
         common = ["--ckpt", tiny_ckpt, *data, "--max-new-tokens", n_new, *sampling, "--log-samples", "--quiet"]
         status, err = main_in_process(*common, "--batch-size", batch, "--mesh", mesh, "--out", Path(tmp) / "fast")
         assert status == 0, err
-        with simplest_path():
-            status, err = main_in_process(*common, "--batch-size", 1, "--mesh", "1x1", "--out", Path(tmp) / "simple")
+        status, err = main_in_process(*common, "--simple", "--batch-size", 1, "--mesh", "1x1", "--out",
+                                      Path(tmp) / "simple")
         assert status == 0, err
         got, want = ([json.loads(line) for line in (Path(tmp) / d / "samples.jsonl").read_text().splitlines()]
                      for d in ("fast", "simple"))
