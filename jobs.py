@@ -31,6 +31,7 @@ import stat
 import sys
 import tempfile
 import threading
+import time
 import typing
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar
@@ -613,6 +614,7 @@ class Held:
 def on_signal(signum: int, frame: Any) -> None:
     """The handler of SIGINT and SIGTERM on the command line: KeyboardInterrupt or
     Terminated, at once or, inside signals_held(), as the block is left."""
+    Resent.signal = None  # handled: redeliver_ctrl_c's sending stops
     stop = Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
     if not Held.depth:
         raise stop
@@ -636,18 +638,34 @@ def signals_held() -> Iterator[None]:
             raise stop
 
 
+class Resent:
+    """The signal redeliver_ctrl_c sends again until its handler runs (None: none)."""
+
+    signal: Optional[int] = None
+
+
 def redeliver_ctrl_c(unraisable: Any) -> None:
     """sys.unraisablehook: Python swallows what a gc callback raises ("Exception ignored
     in ..."), and jax runs one at every collection, so a Ctrl-C landing there was lost.
-    Send it again, a moment later and from another thread, once the callback is left."""
+    Send it again from another thread, every RESEND_SECONDS until on_signal runs: one sent
+    just as the main thread enters a blocking call (time.sleep) waits for the call to end."""
     if issubclass(unraisable.exc_type, KeyboardInterrupt):
-        again_signal = signal.SIGTERM if issubclass(unraisable.exc_type, Terminated) else signal.SIGINT
-        main = threading.main_thread().ident
-        again = threading.Timer(0.05, signal.pthread_kill, (main, again_signal))
-        again.daemon = True
-        again.start()
+        Resent.signal = signal.SIGTERM if issubclass(unraisable.exc_type, Terminated) else signal.SIGINT
+        threading.Thread(target=resend, args=(threading.main_thread().ident,), daemon=True).start()
     else:
         sys.__unraisablehook__(unraisable)
+
+
+RESEND_SECONDS = 0.05
+
+
+def resend(main: int) -> None:
+    while True:
+        time.sleep(RESEND_SECONDS)
+        signum = Resent.signal
+        if signum is None:
+            return
+        signal.pthread_kill(main, signum)
 
 
 def interruption(error: Optional[BaseException]) -> Optional[KeyboardInterrupt]:
@@ -698,6 +716,9 @@ def exit_status(command: Callable[[], None]) -> int:
         stop = interruption(e)
         if stop is None:
             raise
+        Resent.signal = None
+        for s in handlers:  # a second Ctrl-C, or one resent, cannot cut the exit short
+            signal.signal(s, signal.SIG_IGN)
         terminated = isinstance(stop, Terminated)
         print(f"{'terminated' if terminated else 'interrupted'}: nothing partial was written", file=sys.stderr)
         # Leave at once: tearing XLA down after a Ctrl-C that lands while it starts can
@@ -706,6 +727,7 @@ def exit_status(command: Callable[[], None]) -> int:
         sys.stderr.flush()
         os._exit(143 if terminated else 130)
     finally:
+        Resent.signal = None
         for s, handler in handlers.items():
             signal.signal(s, handler)
         sys.unraisablehook = hook
