@@ -744,7 +744,7 @@ class InferenceJob:
         """loglikelihood the simple way: a request a row of max_len tokens (its last max_len + 1
         tokens of context + continuation less the last, right-padded), its continuation
         scored at the last predictions; batch_size rows a forward pass."""
-        requests, T, B = iter(requests), self.max_len, self.batch_size
+        requests, T, B, last_doc = iter(requests), self.max_len, self.batch_size, None
         while batch := list(itertools.islice(requests, B)):
             rows = [(r.context + r.continuation)[-(T + 1):] for r in batch]
             tokens, mask = self.pad([row[:-1] for row in rows], T, B, left=False)
@@ -753,7 +753,8 @@ class InferenceJob:
                 out = self._simple_score(self.variables, self.put(tokens, 0), self.put(targets, 0))
             logprob, correct = (np.asarray(o) for o in out)
             self.blocks_run.append((int(mask.sum()), 1, B, T))
-            self.advance(len({r.doc for r in batch}), int(mask.sum()))
+            self.advance(len({r.doc for r in batch} - {last_doc}), int(mask.sum()))  # a document's windows run on
+            last_doc = batch[-1].doc
             for b, (r, row) in enumerate(zip(batch, rows)):
                 scored = slice(len(row) - 1 - len(r.continuation), len(row) - 1)
                 yield r, Scored(float(logprob[b, scored].sum(dtype=np.float64)), len(r.continuation),
