@@ -397,7 +397,7 @@ def scored_slots(packs: List[Pack], shares: int, per_share: int, length: int,
 # ----------------------------------------------------------------------------- stop strings
 # A row is done at EOS or once its text holds one of its stop strings; a batch stops
 # decoding when all its rows are done. Text exists only on the host, so the jitted loop
-# runs SEGMENT_STEPS tokens at a time with the cache kept on the device, and the host
+# runs segment_steps (SEGMENT_STEPS) tokens at a time with the cache kept on the device, and the host
 # checks the new tokens between segments (no round trip per token). A segment of 8 steps
 # overshoots the last row's end by 3.5 steps on average (at most 7), a few percent of a
 # typical answer, while a check costs a host copy of [B, N] token ids and a few decodes.
@@ -408,11 +408,10 @@ def scored_slots(packs: List[Pack], shares: int, per_share: int, length: int,
 # are done are dropped between segments once the running ones fit in a quarter of the rows
 # (InferenceJob.compact): a step reads every row's KV cache, more bytes than the weights at
 # a few hundred slots, so the tail of a batch (its last long answers) costs a few rows' worth.
-# Before that, while prompts wait, a done row takes the next one (REFILL, continuous
+# Before that, while prompts wait, a done row takes the next one (refill, continuous
 # batching: InferenceJob.decode_queue, gpt.refill_rollout), so batches' tails overlap.
 
 SEGMENT_STEPS = 8
-REFILL = True  # a row that is done takes the next waiting prompt (continuous batching); False: a batch at a time
 # A batch's prompts that begin alike (a task's fixed few-shot examples, such as gsm8k-cot's
 # 8) are prefilled from one row of that beginning (InferenceJob.shared_prefix)
 SHARED_PREFIX_STEP = 64
@@ -560,19 +559,28 @@ class InferenceJob:
 
     def __init__(self, model: gpt.GPT, variables: Any, tokenizer: Tokenizer, mesh: jax.sharding.Mesh,
                  batch_size: int = 8, chunks: int = 16, seed: int = 0, quiet: bool = False,
-                 share_contexts: bool = True, simple: bool = False):
+                 share_contexts: bool = True, simple: bool = False, fill_length: int = FILL_LENGTH,
+                 refill: bool = True, shared_prefix_step: int = SHARED_PREFIX_STEP,
+                 segment_steps: int = SEGMENT_STEPS, unembed_piece: int = UNEMBED_PIECE):
         """`variables` are the model's parameters placed on `mesh` (gpt.init_params or
         gpt.place_params); batch_size is the most rows per forward pass (rounded up to a
         multiple of the mesh's "batch" size), chunks how many batches one jitted call scans,
         seed the default of generate_until's sampling, quiet turns progress reports off,
         share_contexts packs requests of one context into one row (off: a row each), simple
-        runs every request type the simple way (see "the simple path" below)."""
+        runs every request type the simple way (see "the simple path" below). The fast
+        path's settings, each beside the default it is named after: fill_length (rows that
+        short packs fill), refill (a done row takes a waiting prompt; False: a batch at a
+        time), shared_prefix_step (the shared prompt beginning's unit; longer than any
+        prompt: none), segment_steps (decoding steps between the host's stop checks),
+        unembed_piece (scored positions unembedded at a time)."""
         if tokenizer.vocab_size > model.vocab_size:
             raise RequestError(f"the tokenizer's ids reach {tokenizer.vocab_size - 1} (vocab_size "
                                f"{tokenizer.vocab_size}), beyond the model's embedding of {model.vocab_size} rows")
         self.model, self.variables, self.tokenizer, self.mesh = model, variables, tokenizer, mesh
         self.requested_batch_size, self.chunks, self.seed, self.quiet = batch_size, chunks, seed, quiet
         self.share_contexts, self.simple = share_contexts, simple
+        self.fill_length, self.refill, self.shared_prefix_step = fill_length, refill, shared_prefix_step
+        self.segment_steps, self.unembed_piece = segment_steps, unembed_piece
         self.dp = mesh.shape["batch"]
         self.replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         self._simple_score = jax.jit(self.simple_score, out_shardings=self.replicated)
@@ -693,7 +701,7 @@ class InferenceJob:
             left = collections.Counter(r.doc for p in window for r in p.requests)
             if following:
                 left[following[0].requests[0].doc] += 1  # not done before the next window
-            room = min(FILL_LENGTH, self.max_len)
+            room = min(self.fill_length, self.max_len)
             rows = fill_rows([len(p.tokens) for p in window], room) if fill else [[i] for i in range(len(window))]
             merged = [joined_packs([window[i] for i in row]) for row in rows]
             order = sorted(range(len(rows)), key=lambda r: -len(merged[r].tokens))
@@ -815,14 +823,14 @@ class InferenceJob:
                      real: jax.Array) -> Tuple[jax.Array, jax.Array]:
         """(log-probability of each target [G, M], whether it is the argmax [G, M]) given the
         hidden states that predict them, of which the first `real` (at most) of each row G
-        are asked for: unembedded UNEMBED_PIECE at a time in a loop that stops after the last
+        are asked for: unembedded unembed_piece at a time in a loop that stops after the last
         real one, so the float32 logits [G, M, V] never exist whole (a 151,936-token
         vocabulary at 16 x 1024 would be 10 GB) and padding costs nothing. A multiple choice
         block pads each row's scored slots to its longest row's power of two, about half of
         them in hellaswag's rows (16 rows of 128 tokens, 65 of 128 slots a row real,
         vocabulary 19,254: 2.06 s a block unembedding them all, 1.82 s so, on 2 cores)."""
         G, M, D = x_GMD.shape
-        P = min(UNEMBED_PIECE, M & -M)  # positions per piece: a power of two dividing M
+        P = min(self.unembed_piece, M & -M)  # positions per piece: a power of two dividing M
         while 4 * G * P * self.model.vocab_size > LOGITS_BYTES and P % 2 == 0:
             P //= 2
 
@@ -867,7 +875,7 @@ class InferenceJob:
     def _generator(self, n_new: int, temperature: float, top_p: float) -> Tuple[Callable, Callable, Callable]:
         """(start, advance, refill), jitted once per decoding setting: start prefills a batch
         [batch, prompt_len] (gpt.start_rollout); advance marks the rows the host found done
-        and decodes up to SEGMENT_STEPS more tokens (gpt.continue_rollout), its rollout
+        and decodes up to segment_steps more tokens (gpt.continue_rollout), its rollout
         donated so the cache is updated in place, and returns the tokens so far and each
         row's count of them, replicated; refill gives a done row a new prompt
         (gpt.refill_rollout), the rollout donated too."""
@@ -881,7 +889,7 @@ class InferenceJob:
 
             def advance(variables, rollout, stopped_B, ids_B, seed):
                 rollout = rollout._replace(done_B=rollout.done_B | stopped_B)
-                rollout = gpt.continue_rollout(self.model, variables, rollout, SEGMENT_STEPS, eos, temperature,
+                rollout = gpt.continue_rollout(self.model, variables, rollout, self.segment_steps, eos, temperature,
                                                top_p, keys(ids_B, seed))
                 return rollout, rollout.out_BN, rollout.written_B, rollout.finite_B
 
@@ -1021,7 +1029,7 @@ class InferenceJob:
         while window := list(itertools.islice(requests, self.batch_size * SORT_WINDOW)):
             order = sorted(range(len(window)), key=lambda i: -min(len(window[i].prompt), room))  # longest first
             queue = [window[i] for i in order]
-            per_rollout = len(queue) if REFILL else self.batch_size
+            per_rollout = len(queue) if self.refill else self.batch_size
             results: List[Any] = [None] * len(window)
             for at in range(0, len(queue), per_rollout):
                 generations = self.decode_queue(queue[at:at + per_rollout], room, n_new, (temperature, top_p, seed),
@@ -1035,7 +1043,7 @@ class InferenceJob:
         """Requests, longest prompt first, decoded in one rollout of at most batch_size rows,
         each until EOS, a stop string or n_new tokens. The first rows are prefilled together
         (the prompts' shared beginning once, then the rest of each); between segments of
-        SEGMENT_STEPS steps the host checks each row's new tokens, a row that is done takes
+        segment_steps steps the host checks each row's new tokens, a row that is done takes
         the next waiting prompt (gpt.refill_rollout: continuous batching), and once none
         waits the rows still running move into a smaller rollout (compact). The texts are
         those of a batch at a time: a row's tokens depend on its own prompt only."""
@@ -1110,7 +1118,7 @@ class InferenceJob:
 
     def shared_prefix(self, prompts: List[List[int]]) -> List[int]:
         """The first tokens all prompts of a rollout have in common (the few-shot examples of a
-        task), in multiples of SHARED_PREFIX_STEP tokens (so rollouts share one shape), each
+        task), in multiples of shared_prefix_step tokens (so rollouts share one shape), each
         prompt keeping a token of its own: start_rollout computes them once, not per row, and
         the cache holds them once. Empty with a sliding window, which counts slots."""
         if self.model.sliding_window is not None or len(prompts) < 2:
@@ -1118,7 +1126,7 @@ class InferenceJob:
         common = max(min(len(p) for p in prompts) - 1, 0)  # an empty prompt shares nothing
         for p in prompts[1:]:
             common = min(common, common_length(prompts[0], p))
-        return prompts[0][:common // SHARED_PREFIX_STEP * SHARED_PREFIX_STEP]
+        return prompts[0][:common // self.shared_prefix_step * self.shared_prefix_step]
 
     def compact(self, rollout: Any, ids_B: jax.Array, owner: np.ndarray) -> Tuple[Any, jax.Array, np.ndarray]:
         """The rollout's rows still running, and enough done ones to fill the next power of
