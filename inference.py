@@ -135,7 +135,7 @@ def per_document(results: Iterable[Tuple[Request, Scored]]) -> Iterator[List[Sco
 
 
 class Recorder(Protocol):
-    """A run's record of finished work (evaluate.Journal), which the core only informs and
+    """A run's record of finished work (runs.Journal), which the core only informs and
     reads back: each window of a call's requests, once computed, is added with its results
     (`add`); a call of a resumed run first takes back the windows its first try finished
     (`kept`), as long as their requests are the same, and computes the rest from there. A

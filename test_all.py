@@ -67,6 +67,7 @@ import gpt
 import hf
 import inference
 import jobs
+import runs
 import tasks
 import train
 from hf import export_gpt2, load_backbone
@@ -1662,8 +1663,8 @@ def test_exit_status_gives_back_the_callers_signal_handlers(capsys):
         sys.unraisablehook = hook
 
 
-PROJECT_FILES = {"gpt": 0, "inference": 1, "jobs": 1, "checkpoints": 2, "hf": 3, "tasks": 4, "evaluate": 5,
-                 "train": 6, "bench": 6}  # import order
+PROJECT_FILES = {"gpt": 0, "inference": 1, "jobs": 1, "checkpoints": 2, "hf": 3, "runs": 3, "tasks": 4,
+                 "evaluate": 5, "train": 6, "bench": 6}  # import order
 
 
 def test_every_relative_link_in_the_docs_resolves():
@@ -1696,10 +1697,10 @@ def test_readme_python_example_runs_as_shown(capsys):
 
 
 def test_imports_flow_one_way_and_sit_at_the_top():
-    """gpt.py <- inference.py, jobs.py <- checkpoints.py <- hf.py <- tasks.py <- evaluate.py <-
-    train.py, bench.py: each file imports only files before it, and only at module level (no
-    import inside a function); inference.py and jobs.py do not import each other. Every file
-    is in the README's table."""
+    """gpt.py <- inference.py, jobs.py <- checkpoints.py <- hf.py, runs.py <- tasks.py <-
+    evaluate.py <- train.py, bench.py: each file imports only files before it, and only at
+    module level (no import inside a function); inference.py and jobs.py do not import each
+    other, nor hf.py and runs.py. Every file is in the README's table."""
     table = re.findall(r"^\| `(\w+)\.py` \|", (ROOT / "README.md").read_text(), re.M)
     assert sorted(table) == sorted([*PROJECT_FILES, "test_all"]) == sorted(p.stem for p in ROOT.glob("*.py"))
     for name, rank in PROJECT_FILES.items():
@@ -1981,7 +1982,7 @@ def test_gen_stop_strings_per_line_and_from_the_command_line(small, tmp_path):
     assert [r["score"] for r in records[:3]] == [1.0, 1.0, 1.0] and len(records[0]["output"]) < len(full[0])
     for bad in ('{"prompt": "a", "answer": "b", "until": "x"}', '{"prompt": "a", "answer": "b", "until": [1]}'):
         with pytest.raises(UsageError, match="f.jsonl:3: 'until' must be a list of strings"):
-            evaluate.check_sample("gen", bad.encode(), "f.jsonl:3")
+            runs.check_sample("gen", bad.encode(), "f.jsonl:3")
 
 
 # ---- HuggingFace backbones: parity with transformers' PyTorch models
@@ -2984,7 +2985,7 @@ def workdir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runs(workdir):
+def both_runs(workdir):
     """(lm-eval's samples per task, our Results per kind, our evaluator, the model directory)."""
     model_dir, task_dir = workdir
     started = time.time()
@@ -3005,8 +3006,8 @@ def rel(a, b):
 
 
 @needs_lm_eval
-def test_rolling_nll_matches_lm_eval(runs):
-    samples, ours, ev, _ = runs
+def test_rolling_nll_matches_lm_eval(both_runs):
+    samples, ours, ev, _ = both_runs
     rows = samples["ours_ppl"]
     assert [s["doc"]["text"] for s in rows] == [d["text"] for d in LM_DOCS]
     assert max(len(ev.tokenizer.encode(d["text"])) for d in LM_DOCS) > 2 * CONTEXT  # really rolled
@@ -3021,8 +3022,8 @@ def test_rolling_nll_matches_lm_eval(runs):
 
 
 @needs_lm_eval
-def test_multiple_choice_matches_lm_eval(runs):
-    samples, ours, ev, _ = runs
+def test_multiple_choice_matches_lm_eval(both_runs):
+    samples, ours, ev, _ = both_runs
     rows = samples["ours_mc"]
     assert len(ev.tokenizer.encode(LM_MC[-2]["context"])) > CONTEXT  # lm-eval and we cut it from the left
     assert [s["doc"]["context"] for s in rows] == [m["context"] for m in LM_MC]
@@ -3066,8 +3067,8 @@ def greedy_gaps(model_dir, ev, prompt):
 
 
 @needs_lm_eval
-def test_greedy_generation_matches_lm_eval(runs):
-    samples, ours, ev, model_dir = runs
+def test_greedy_generation_matches_lm_eval(both_runs):
+    samples, ours, ev, model_dir = both_runs
     rows = samples["ours_gen"]
     assert [s["doc"]["prompt"] for s in rows] == [g["prompt"] for g in LM_GEN]
     assert ours["gen"].records[-1]["truncated"]
@@ -3735,14 +3736,14 @@ def assert_usage_error(proc, *needles, out=None):
 # (parse, validate, load, run, exit status) without Python's and jax's start-up (4 s) per
 # case. A {"write": PATH, "text": TEXT} step rewrites a file between runs, a {"fsize": N}
 # step caps the size of files written (a full disk; None lifts the cap), and an
-# {"after_keep": PATH, "text": TEXT, "mode": "a" or "w"} step writes a file while the next run
-# goes on, once it has kept its first evaluation. A case still running after 20 s is
+# {"after_window": PATH, "text": TEXT, "mode": "a" or "w"} step writes a file while the next run
+# goes on, once its journal has recorded its first window. A case still running after 20 s is
 # stopped and reported, so a wait on a FIFO fails the test.
 DRIVER = r"""
 import contextlib, io, json, os, resource, signal, sys, time
 resource.setrlimit(resource.RLIMIT_AS, (16 << 30, 16 << 30))  # a blow-up fails the test, not the machine
 os.umask(0o022)  # the usual umask, so that file modes can be checked
-import evaluate
+import evaluate, runs
 
 class StillRunning(Exception):  # not an OSError, which main() would report as exit 2
     pass
@@ -3751,22 +3752,22 @@ def stop(signum, frame):
     raise StillRunning("still running after 20 s")
 
 signal.signal(signal.SIGALRM, stop)
-keep_finished = evaluate.keep_finished
+journal_add = runs.Journal.add
 
-def write_after_keep(change):
-    def keep_then_write(*args):
-        keep_finished(*args)
-        evaluate.keep_finished = keep_finished  # once
-        open(change["after_keep"], change["mode"]).write(change["text"])
-    evaluate.keep_finished = keep_then_write
+def write_after_window(change):  # after the first window the journal records
+    def add_then_write(*args):
+        journal_add(*args)
+        runs.Journal.add = journal_add  # once
+        open(change["after_window"], change["mode"]).write(change["text"])
+    runs.Journal.add = add_then_write
 
 outcomes = []
 for case in json.loads(sys.stdin.read()):
     if isinstance(case, dict) and "write" in case:
         open(case["write"], "w").write(case["text"])
         continue
-    if isinstance(case, dict) and "after_keep" in case:
-        write_after_keep(case)
+    if isinstance(case, dict) and "after_window" in case:
+        write_after_window(case)
         continue
     if isinstance(case, dict):
         limit = resource.RLIM_INFINITY if case["fsize"] is None else case["fsize"]
@@ -4252,17 +4253,19 @@ def messages(stderr):
     return [line for line in stderr.strip().splitlines() if not PROGRESS_LINE.fullmatch(line)]
 
 
-def kept_so_far(out):
+def journaled_so_far(out):
+    """The evaluations whose windows the journal in `out` holds so far, in order."""
     try:
-        return list(json.loads((out / ".resume.json").read_text())["results"])
-    except (OSError, ValueError):
+        payloads, _ = runs.read_frames((out / runs.JOURNAL_FILE).read_bytes())
+    except OSError:
         return []
+    return list(dict.fromkeys(p["call"].split("/")[0] for p in payloads[1:]))
 
 
 def test_an_interrupted_run_resumes_and_ends_as_an_uninterrupted_one(ckpt, tmp_path):
-    """SIGTERM during the third of four evaluations: exit 143 with one line, the two finished
-    ones kept; the same command again computes the rest, and results.json and samples.jsonl
-    equal those of a run never interrupted."""
+    """SIGTERM during the third of four evaluations: exit 143 with one line, the windows of
+    the two finished ones and the third's first journaled; the same command again computes
+    the rest, and results.json and samples.jsonl equal those of a run never interrupted."""
     data = [("mc", "choices", MC), ("gen", "qa", GEN),
             ("ppl", "long", [{"text": f"document {i} " * 30} for i in range(60)]), ("acc", "seq", DOCS)]
     args = ["--ckpt", ckpt, "--batch-size", "1", "--chunks", "1", "--max-new-tokens", "4", "--log-samples"]
@@ -4272,20 +4275,20 @@ def test_an_interrupted_run_resumes_and_ends_as_an_uninterrupted_one(ckpt, tmp_p
     proc = subprocess.Popen([sys.executable, str(ROOT / "evaluate.py"), *map(str, args), "--out", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=driver_env())
     deadline = time.time() + 120
-    while len(kept_so_far(out)) < 2 and proc.poll() is None and time.time() < deadline:
+    while len(journaled_so_far(out)) < 3 and proc.poll() is None and time.time() < deadline:
         time.sleep(0.02)
     proc.terminate()  # SIGTERM, as kill and schedulers send it
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 143 and messages(err) == ["terminated: nothing partial was written"], err
-    assert kept_so_far(out) == ["choices", "qa"] and not (out / "results.json").exists()
+    assert journaled_so_far(out) == ["choices", "qa", "long"] and not (out / "results.json").exists()
     again, whole = cli_many(args + ["--out", out], args + ["--out", tmp_path / "whole"])
-    assert again.returncode == 0 and "resuming: choices, qa kept" in again.stderr, again.stderr[-2000:]
+    assert again.returncode == 0 and "of choices, qa, long from the journal" in again.stderr, again.stderr[-2000:]
     assert whole.returncode == 0, whole.stderr[-2000:]
     first, second = (json.loads((d / "results.json").read_text()) for d in (tmp_path / "whole", out))
     for key in ("results", "metrics", "n_samples", "stderr", "fingerprint"):
         assert first[key] == second[key], key
     assert (out / "samples.jsonl").read_bytes() == (tmp_path / "whole" / "samples.jsonl").read_bytes()
-    assert sorted(files_of(out)) == ["results.json", "samples.jsonl"]  # the kept results are gone
+    assert sorted(files_of(out)) == ["results.json", "samples.jsonl"]  # the journal is gone
 
 
 FINGERPRINT = {"model": {"checkpoint": "org/tiny", "commit": "a" * 40, "files": {}},
@@ -4342,8 +4345,8 @@ def test_the_journal_keeps_whole_records_of_its_own_fingerprint_only(tmp_path):
     the next append); a journal of another option, data byte or revision is never read; a
     window holding a NaN is not journaled, nor any after it in its call."""
     spec = jobs.ExecutionSpec("gpt/evaluate", out_dir=str(tmp_path))
-    path = spec.path(evaluate.JOURNAL_FILE)
-    journal = evaluate.Journal(spec, FINGERPRINT)
+    path = spec.path(runs.JOURNAL_FILE)
+    journal = runs.Journal(spec, FINGERPRINT)
     journal.add("docs/loglikelihood_rolling/0", "a" * 64, SCORED[:1])
     journal.add("docs/loglikelihood_rolling/0", "b" * 64, SCORED)
     journal.add("docs/generate_until/0", "c" * 64, [["text", [1, 2], False]])
@@ -4351,20 +4354,20 @@ def test_the_journal_keeps_whole_records_of_its_own_fingerprint_only(tmp_path):
     journal.add("other/loglikelihood/0", "e" * 64, SCORED)
     journal.close()
     whole = path.read_bytes()
-    path.write_bytes(whole + evaluate.frame(b'{"call": "docs/loglikelihood/1", "digest": "", "results": []}')[:-5])
-    journal = evaluate.Journal(spec, FINGERPRINT)  # a kill mid-append, above
+    path.write_bytes(whole + runs.frame(b'{"call": "docs/loglikelihood/1", "digest": "", "results": []}')[:-5])
+    journal = runs.Journal(spec, FINGERPRINT)  # a kill mid-append, above
     assert journal.kept("docs/loglikelihood_rolling/0") == [("a" * 64, SCORED[:1]), ("b" * 64, SCORED)]
     assert journal.kept("docs/generate_until/0") == [("c" * 64, [["text", [1, 2], False]])]
     assert journal.kept("other/loglikelihood/0") == [] and path.read_bytes() == whole
     journal.close()
     path.write_bytes(whole.replace(b'-2.25', b'-2.5'))  # a changed byte fails its record's checksum
-    assert list(evaluate.Journal(spec, FINGERPRINT).windows) == ["docs/loglikelihood_rolling/0"]
+    assert list(runs.Journal(spec, FINGERPRINT).windows) == ["docs/loglikelihood_rolling/0"]
     for where, value in [("options", {"seed": 1}), ("datasets", {"docs": {"sha256": "2"}}),
                          ("model", {**FINGERPRINT["model"], "commit": "b" * 40})]:
         path.write_bytes(whole)
-        assert evaluate.journal_holds(path, FINGERPRINT)
-        assert evaluate.Journal(spec, {**FINGERPRINT, where: value}).windows == {}, where
-        assert not evaluate.journal_holds(path, FINGERPRINT)  # replaced by the other run's
+        assert runs.journal_holds(path, FINGERPRINT)
+        assert runs.Journal(spec, {**FINGERPRINT, where: value}).windows == {}, where
+        assert not runs.journal_holds(path, FINGERPRINT)  # replaced by the other run's
 
 
 # `python evaluate.py ARGS` killed (os._exit, as SIGKILL leaves it) at a chosen point: "between"
@@ -4372,21 +4375,21 @@ def test_the_journal_keeps_whole_records_of_its_own_fingerprint_only(tmp_path):
 # once every window is journaled, before results.json is written.
 KILLER = r"""
 import json, os, sys
-import evaluate
+import evaluate, runs
 mode, after, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-add, added = evaluate.Journal.add, []
+add, added = runs.Journal.add, []
 
 def add_then_kill(self, call, digest, results):
     added.append(call)
     if mode == "torn" and len(added) == after:
-        record = evaluate.frame(json.dumps({"call": call, "digest": digest, "results": results}).encode())
+        record = runs.frame(json.dumps({"call": call, "digest": digest, "results": results}).encode())
         os.write(self.fd, record[:len(record) // 2])
         os._exit(9)
     add(self, call, digest, results)
     if mode == "between" and len(added) == after:
         os._exit(9)
 
-evaluate.Journal.add = add_then_kill
+runs.Journal.add = add_then_kill
 if mode == "final":
     evaluate.Evaluator.write_results = lambda *args: os._exit(9)
 sys.exit(evaluate.main(argv))
@@ -4419,13 +4422,13 @@ def test_a_killed_run_resumes_from_its_journal_and_ends_as_an_uninterrupted_one(
         assert not (tmp_path / mode / "results.json").exists()
     tampered = tmp_path / "tampered"
     shutil.copytree(tmp_path / "between", tampered)
-    journal = tampered / evaluate.JOURNAL_FILE
-    payloads, _ = evaluate.read_frames(journal.read_bytes())
-    for payload in payloads[1:]:  # ppl's windows, which .resume.json holds whole too, and gen's first
+    journal = tampered / runs.JOURNAL_FILE
+    payloads, _ = runs.read_frames(journal.read_bytes())
+    for payload in payloads[1:]:  # ppl's windows, and gen's first
         if payload["call"].startswith("qa/"):
             for result in payload["results"]:
                 result[0] = "journaled"
-    journal.write_bytes(b"".join(evaluate.frame(json.dumps(p).encode()) for p in payloads))
+    journal.write_bytes(b"".join(runs.frame(json.dumps(p).encode()) for p in payloads))
     shutil.copytree(tampered, tmp_path / "other")
     other = [a if a != "3" else "4" for a in args]  # --seed 4
     *resumed, whole, reused, not_reused, other_whole = cli_many(
@@ -4469,22 +4472,22 @@ def test_a_killed_lm_eval_run_resumes_from_its_journal(ckpt, tmp_path):
     resumed, whole = cli_many(args + ["--out", tmp_path / "killed"], args + ["--out", tmp_path / "whole"])
     assert resumed.returncode == 0 and "resuming: 3 window(s) of lm-eval" in resumed.stderr, resumed.stderr[-2000:]
     assert whole.returncode == 0, whole.stderr[-2000:]
-    runs = {d: without_timing(tmp_path / d) for d in ("whole", "killed")}
+    results = {d: without_timing(tmp_path / d) for d in ("whole", "killed")}
     for key in ("results", "stderr", "n_samples"):
-        assert runs["whole"][key] == runs["killed"][key], key
+        assert results["whole"][key] == results["killed"][key], key
     for task in ("choose", "sample"):  # lm-eval's samples files, each run's own (their names hold a time)
         lines = [[{k: json.loads(line)[k] for k in ("doc_id", "resps", "filtered_resps")}
                   for line in (tmp_path / d / run["lm_eval"]["samples"][task]).read_text().splitlines()]
-                 for d, run in runs.items()]
+                 for d, run in results.items()]
         assert lines[0] == lines[1] and len(lines[0]) == 50, task
-    assert not (tmp_path / "killed" / evaluate.JOURNAL_FILE).exists()
+    assert not (tmp_path / "killed" / runs.JOURNAL_FILE).exists()
 
 
 @pytest.fixture(scope="module")
 def journaled(ckpt, tmp_path_factory):
     """A run of the four kinds killed once every window was journaled (windows of 8 samples at
-    batch size 1 and one chunk: two an evaluation), with what it kept in .resume.json removed
-    so that a resumed run reads every evaluation from the journal; and the same run never killed.
+    batch size 1 and one chunk: two an evaluation), so that a resumed run reads every
+    evaluation from the journal; and the same run never killed.
     (arguments but --out, the killed run's directory, its journal's payloads, the whole run's directory)"""
     tmp = tmp_path_factory.mktemp("journaled")
     data = {"ppl": [{"text": f"the {i} dogs see a cat. " * (1 + i % 3)} for i in range(9)] + [{"text": ""}],
@@ -4497,10 +4500,9 @@ def journaled(ckpt, tmp_path_factory):
     killed = subprocess.run([sys.executable, "-c", KILLER, "final", "0", *map(str, args), "--out", str(tmp / "killed")],
                             capture_output=True, text=True, env=driver_env(), cwd=ROOT)
     assert killed.returncode == 9, killed.stderr[-2000:]
-    (tmp / "killed" / evaluate.RESUME_FILE).unlink()
     whole, = cli_many(args + ["--out", tmp / "whole"])
     assert whole.returncode == 0, whole.stderr[-2000:]
-    payloads, _ = evaluate.read_frames((tmp / "killed" / evaluate.JOURNAL_FILE).read_bytes())
+    payloads, _ = runs.read_frames((tmp / "killed" / runs.JOURNAL_FILE).read_bytes())
     assert len(payloads) == 9, payloads  # the header, and two windows of each evaluation
     return args, tmp / "killed", payloads, tmp / "whole"
 
@@ -4508,7 +4510,7 @@ def journaled(ckpt, tmp_path_factory):
 def with_journal(killed, target, payloads):
     """A copy of the killed run's directory whose journal holds `payloads`, each checksummed."""
     shutil.copytree(killed, target)
-    (target / evaluate.JOURNAL_FILE).write_bytes(b"".join(evaluate.frame(json.dumps(p).encode()) for p in payloads))
+    (target / runs.JOURNAL_FILE).write_bytes(b"".join(runs.frame(json.dumps(p).encode()) for p in payloads))
     return target
 
 
@@ -4537,37 +4539,16 @@ def test_journal_records_of_another_shape_are_dropped_with_what_follows(journale
              "other-requests": (position["mc"], lambda p: p.update(digest="0" * 64))}
     spec = jobs.ExecutionSpec("gpt/evaluate", out_dir=str(tmp_path / "read"))
     with_journal(killed, tmp_path / "read", tampered(payloads, position["acc"], nan))
-    journal = evaluate.Journal(spec, payloads[0]["fingerprint"])
+    journal = runs.Journal(spec, payloads[0]["fingerprint"])
     journal.close()
     assert list(journal.windows) == list(dict.fromkeys(p["call"] for p in payloads[1:position["acc"]]))
-    assert evaluate.read_frames((tmp_path / "read" / evaluate.JOURNAL_FILE).read_bytes())[0] == payloads[:position["acc"]]
+    assert runs.read_frames((tmp_path / "read" / runs.JOURNAL_FILE).read_bytes())[0] == payloads[:position["acc"]]
     outcomes = cli_many(*(args + ["--out", with_journal(killed, tmp_path / name, tampered(payloads, n, change))]
                           for name, (n, change) in cases.items()))
     for (name, (n, _)), proc in zip(cases.items(), outcomes):
         assert proc.returncode == 0, (name, proc.returncode, proc.stderr[-2000:])
         assert without_timing(tmp_path / name) == without_timing(whole), name
         assert files_of(tmp_path / name)["samples.jsonl"] == files_of(whole)["samples.jsonl"], name
-
-
-def test_a_resume_file_of_another_shape_is_ignored(journaled, tmp_path):
-    """.resume.json has no checksum: one of this run's fingerprint whose evaluations are not
-    what a run keeps (a field missing, which was a KeyError traceback; results that are no
-    object; a NaN value; a record of another sample) is ignored, and the run reads the
-    journal instead, ending as the run never killed."""
-    args, killed, payloads, whole = journaled
-    fingerprint = payloads[0]["fingerprint"]
-    good = {"kind": "mc", "value": 0.5, "stderr": 0.1, "scores": [0.0, 1.0], "metrics": {"skipped": 0}, "records": []}
-    record = {"eval": "mc", "index": 1, "score": 1.0, "loglik": [-1.0, -2.0], "pred": 0, "gold": 0, "acc_norm": 1.0}
-    cases = {"missing": {"mc": {"kind": "mc"}}, "list": [good], "nan": {"mc": {**good, "value": math.nan}},
-             "record": {"mc": {**good, "records": [record]}}}
-    outs = []
-    for name, results in cases.items():
-        out = with_journal(killed, tmp_path / name, payloads)
-        (out / evaluate.RESUME_FILE).write_text(json.dumps({"fingerprint": fingerprint, "results": results}))
-        outs.append(args + ["--out", out])
-    for name, proc in zip(cases, cli_many(*outs)):
-        assert proc.returncode == 0, (name, proc.returncode, proc.stderr[-2000:])
-        assert without_timing(tmp_path / name) == without_timing(whole), name
 
 
 JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=4),
@@ -4645,15 +4626,15 @@ def test_results_and_samples_are_replaced_together_or_not_at_all(ckpt, tmp_path)
     killed = subprocess.run([sys.executable, "-c", KILLER, "final", "0", *map(str, other), "--log-samples", "--out",
                              str(tmp_path / "killed")], capture_output=True, text=True, env=driver_env(), cwd=ROOT)
     assert killed.returncode == 9, killed.stderr[-2000:]
-    journal = (tmp_path / "killed" / evaluate.JOURNAL_FILE).read_bytes()
-    (out / evaluate.JOURNAL_FILE).write_bytes(journal)
+    journal = (tmp_path / "killed" / runs.JOURNAL_FILE).read_bytes()
+    (out / runs.JOURNAL_FILE).write_bytes(journal)
     no_room_for_samples, no_room_for_results, no_samples = cli_many(
         {"fsize": samples // 4}, other + ["--log-samples", "--out", out],
         {"fsize": (samples + results) // 2}, other + ["--log-samples", "--out", out],
         {"fsize": None}, other + ["--out", tmp_path / "o2"], compile_cache=False)
     assert_usage_error(no_room_for_samples, "File too large", str(out / "samples.jsonl"))
     assert_usage_error(no_room_for_results, "File too large", str(out / "results.json"))
-    assert files_of(out) == {**pair, evaluate.JOURNAL_FILE: journal}
+    assert files_of(out) == {**pair, runs.JOURNAL_FILE: journal}
     assert no_samples.returncode == 0 and sorted(files_of(tmp_path / "o2")) == ["results.json"]
 
 
@@ -5151,10 +5132,10 @@ def test_a_run_reads_what_it_checked_and_writes_only_its_out(ckpt, hf_gpt2, tmp_
     on_model = ["--ckpt", model, "--evals", "grammar", "--limit", "2", "--quiet"]
     unwritable = ["/sys/fs"] if os.access("/sys/fs", os.W_OK) else []  # root: sysfs takes no new files
     first, again, changed, inside, elsewhere, weights, tokenizer, *sys_fs = cli_many(
-        {"after_keep": str(appended), "mode": "a", "text": '{"text": "added later"}\n' * 500},
+        {"after_window": str(appended), "mode": "a", "text": '{"text": "added later"}\n' * 500},
         ["--ckpt", ckpt, *run, "--data", f"ppl:{appended}", "--out", tmp_path / "a"],
         ["--ckpt", ckpt, *run, "--data", f"ppl:{appended}", "--out", tmp_path / "a"],
-        {"after_keep": str(rewritten), "mode": "w", "text": rewritten.read_text().replace("document 7", "DOCUMENT 7")},
+        {"after_window": str(rewritten), "mode": "w", "text": rewritten.read_text().replace("document 7", "DOCUMENT 7")},
         ["--ckpt", ckpt, *run, "--data", f"ppl:{rewritten}", "--out", tmp_path / "r"],
         on_model + ["--out", model / "tokenizer_eval"], on_model + ["--out", tmp_path / "elsewhere"],
         on_model + ["--out", model / "eval.safetensors"], on_model + ["--out", model / "tokenizer.json" / "x"],
@@ -5165,7 +5146,7 @@ def test_a_run_reads_what_it_checked_and_writes_only_its_out(ckpt, hf_gpt2, tmp_
     assert {k: results["fingerprint"]["datasets"]["appended"][k] for k in checked} == checked
     assert_usage_error(again, "holds another run", "datasets.appended.bytes")
     assert_usage_error(changed, f"{rewritten} changed while this run read it", out=tmp_path / "r")
-    assert sorted(files_of(tmp_path / "r")) == [".journal", ".resume.json"]  # grammar kept, for the next try
+    assert sorted(files_of(tmp_path / "r")) == [".journal"]  # grammar's window kept, for the next try
     assert inside.returncode == 0 and elsewhere.returncode == 0, (inside.stderr[-2000:], elsewhere.stderr[-2000:])
     fingerprints = [json.loads((d / "results.json").read_text())["fingerprint"]["model"]
                     for d in (model / "tokenizer_eval", tmp_path / "elsewhere")]
@@ -5247,7 +5228,7 @@ def test_signals_between_paired_writes_and_a_second_run_into_the_same_out(ckpt, 
     assert holder.startswith(f"pid {between.pid} on ")
     assert_usage_error(second, f"another run is writing to {cut} (pid {between.pid} on", "choose another --out")
     made_files = files_of(made)
-    assert made_files.pop(evaluate.JOURNAL_FILE) and made_files == previous  # the previous pair, and the journal
+    assert made_files.pop(runs.JOURNAL_FILE) and made_files == previous  # the previous pair, and the journal
     results = json.loads((cut / "results.json").read_text())
     samples = (cut / "samples.jsonl").read_text().splitlines()
     assert sorted(files_of(cut)) == ["results.json", "samples.jsonl"]  # no temporary, no lock
