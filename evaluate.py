@@ -32,11 +32,11 @@ import jax
 import numpy as np
 
 import gpt
-from hf import load_backbone, resolve_checkpoint  # load_backbone: the reference API has it here too
+from hf import load_backbone, load_model, resolve_checkpoint  # load_backbone: the reference API has it here too
 from inference import (MIN_TEMPERATURE, GenerationRequest, InferenceJob, PlanError, RequestError,
                        Request, Scored, per_document)
 from checkpoints import Node, load_checkpoint, model_config
-from jobs import (MAX_SEED, ByteTokenizer, ExecutionSpec, HFTokenizer, UsageError, builtin_items, exit_status,
+from jobs import (MAX_SEED, ByteTokenizer, ExecutionSpec, UsageError, builtin_items, exit_status,
                   is_checkpoint_file, is_eval_item, job, lean_cpu_schedules, load_tokenizer, option, parse_options, short)
 from runs import (JOURNAL_FILE, KINDS, Journal, JsonlDataset, journaling, out_dir_held, previous_run,
                   run_fingerprint)
@@ -647,12 +647,7 @@ class BackboneEvaluate(Evaluator):
     def load(self, mesh):
         if self.base is None:
             raise UsageError("backbone/evaluate needs --ckpt (a HuggingFace directory or hub id, or a native one)")
-        path, dtype = self.base.path, self.cfg.dtype
-        if self.base.is_native:
-            model, variables, config = load_checkpoint(path, mesh, dtype)
-            return model, variables, load_tokenizer(config, path)
-        model, variables = load_backbone(path, dtype, mesh)  # each device's share read from the files
-        return model, variables, HFTokenizer(path)
+        return load_model(self.base, mesh, self.cfg.dtype)
 
 
 # ----------------------------------------------------------------------------- option checks

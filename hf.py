@@ -44,9 +44,10 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # its import-ti
 import transformers  # noqa: E402  (torch is never needed, and the first line on stderr is ours)
 
 import gpt
-from checkpoints import (Node, TensorFiles, check_model_fields, concatenated, flatten, param_shapes, read_config,
-                         split, stacked)
-from jobs import CHAT_TEMPLATES, TOKENIZER_FILES, UsageError, exit_status, first_line, read_json, short
+from checkpoints import (Node, TensorFiles, check_model_fields, concatenated, flatten, load_checkpoint, param_shapes,
+                         read_config, split, stacked)
+from jobs import (CHAT_TEMPLATES, TOKENIZER_FILES, HFTokenizer, UsageError, exit_status, first_line, load_tokenizer,
+                  read_json, short)
 
 SUPPORTED = ("gpt2", "llama", "qwen2", "qwen3", "gpt_neox", "mistral", "gemma3_text", "gemma2", "phi3", "olmo2",
              "granite", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
@@ -599,6 +600,16 @@ def load_backbone(path: str, dtype: str = "float32",
     if mesh is not None:
         return model, gpt.place_params(model, mesh, {"params": params})
     return model, {"params": jax.tree.map(np.asarray, params)}
+
+
+def load_model(base: Node, mesh: jax.sharding.Mesh, dtype: str = "float32") -> Tuple[gpt.GPT, Any, Any]:
+    """(model, variables placed on `mesh`, tokenizer) of a checkpoint resolve_checkpoint
+    found: a native one (train.py's) or a HuggingFace directory."""
+    if base.is_native:
+        model, variables, config = load_checkpoint(base.path, mesh, dtype)
+        return model, variables, load_tokenizer(config, base.path)
+    model, variables = load_backbone(base.path, dtype, mesh)  # each device's share read from the files
+    return model, variables, HFTokenizer(base.path)
 
 
 # ----------------------------------------------------------------------------- export

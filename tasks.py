@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tu
 import jax
 import numpy as np
 
+from hf import load_model, resolve_checkpoint
 from inference import MIN_TEMPERATURE, GenerationRequest, InferenceJob, Request
 from jobs import ExecutionSpec, UsageError, first_line, short
 
@@ -37,8 +38,10 @@ try:  # only --tasks needs lm-eval (these parts load in a fraction of a second)
     import jinja2  # a dependency of lm-eval (and of transformers' chat templates)
     import lm_eval
     from lm_eval.api.model import TemplateLM
+    from lm_eval.api.registry import register_model
     from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
-    from lm_eval.utils import handle_non_serializable, hash_string, make_table, sanitize_list, sanitize_model_name
+    from lm_eval.utils import (handle_non_serializable, hash_string, make_table, sanitize_list, sanitize_model_name,
+                               simple_parse_args_string)
 except ImportError:
     lm_eval = None
     TemplateLM = object  # JaxLM below still defines; --tasks refuses to start without lm-eval
@@ -78,6 +81,36 @@ class JaxLM(TemplateLM):
     model sends it. (A run's journal sees the inference job's windows, as for any evaluation.)"""
 
     backend = "causal"
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: Optional[Dict[str, Any]] = None) -> "JaxLM":
+        """lm-eval's way to make a model by name: `lm_eval.simple_evaluate(model=MODEL_NAME,
+        model_args="pretrained=ORG/NAME,batch_size=16,mesh=4x2", tasks=[...])` once this file
+        is imported (see from_pretrained)."""
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: Dict[str, Any], additional_config: Optional[Dict[str, Any]] = None
+                            ) -> "JaxLM":
+        """As create_from_arg_string, for model_args given as a dict; what simple_evaluate
+        adds (batch_size, max_batch_size, device) where it is set, as lm-eval's models take it."""
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
+        return cls.from_pretrained(**arg_dict, **extra)
+
+    @classmethod
+    def from_pretrained(cls, pretrained: str, batch_size: Any = 8, mesh: Optional[str] = None, dtype: str = "float32",
+                        chunks: int = 16, max_gen_toks: int = 256, seed: int = 0, device: Optional[str] = None,
+                        max_batch_size: Optional[int] = None) -> "JaxLM":
+        """A checkpoint (native, a HuggingFace directory or a hub id ORG/NAME[@REVISION]) in
+        `dtype` on a mesh of every device ("BATCHxSHARD" to choose), its requests answered by
+        an InferenceJob of `batch_size` rows. `device` and `max_batch_size`, which lm-eval
+        hands every model, choose nothing here: jax runs on its default backend."""
+        if not (isinstance(batch_size, int) or isinstance(batch_size, str) and batch_size.isdigit()):
+            raise UsageError(f"{MODEL_NAME}: batch_size must be a whole number, not {batch_size!r}")
+        devices = ExecutionSpec(name=MODEL_NAME, mesh=mesh).make_mesh()
+        model, variables, tokenizer = load_model(resolve_checkpoint(str(pretrained)), devices, dtype)
+        job = InferenceJob(model, variables, tokenizer, devices, batch_size=int(batch_size), chunks=chunks, seed=seed)
+        return cls(job, max_gen_toks, seed)
 
     def __init__(self, inference: InferenceJob, max_gen_toks: int = 256, seed: int = 0):
         super().__init__()
@@ -232,6 +265,11 @@ class JaxLM(TemplateLM):
             raise UsageError(f"generation_kwargs temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, inf), "
                              f"got {temperature:g}")
         return Decoding(n_new, temperature, top_p, until)
+
+
+MODEL_NAME = "gpt-eval"  # JaxLM's name in lm-eval's model registry
+if lm_eval is not None:
+    register_model(MODEL_NAME)(JaxLM)
 
 
 def checked_continuation(texts: Tuple[str, str], continuation: List[int]) -> List[int]:
