@@ -117,7 +117,7 @@ def type_name(kind: Any) -> str:
 def check_sizes(m: gpt.GPT, where: str) -> None:
     """Sizes at least 1, heads that divide, known kinds and dtypes, floats in range."""
     for name in ("n_layers", "n_embd", "n_head", "block_size", "vocab_size", "n_kv_head", "head_dim", "mlp_hidden",
-                 "sliding_window", "n_experts", "n_experts_per_token", "shared_expert_hidden"):
+                 "sliding_window", "n_experts", "n_experts_per_token", "shared_expert_hidden", "query_block"):
         value = getattr(m, name)
         if value is not None and value < 1:
             raise UsageError(f"{where}: {name} must be at least 1, got {value}")
@@ -129,7 +129,7 @@ def check_sizes(m: gpt.GPT, where: str) -> None:
         raise UsageError(f"{where}: experts are gated MLPs without biases (mlp swiglu or geglu, bias false), "
                          f"n_experts_per_token at most n_experts {m.n_experts}")
     for name, known in (("mlp", gpt.MLP_KINDS), ("norm", gpt.NORM_KINDS), ("param_dtype", gpt.DTYPES),
-                        ("activation_dtype", gpt.DTYPES)):
+                        ("activation_dtype", gpt.DTYPES), ("attention", gpt.ATTENTIONS)):
         if getattr(m, name) not in known:
             raise UsageError(f"{where}: unknown {name} {short(getattr(m, name))}; known: {', '.join(known)}")
     ranges = {"dropout": (0 <= m.dropout < 1, "in [0, 1)"), "norm_eps": (m.norm_eps > 0, "above 0"),
@@ -503,9 +503,10 @@ def to_host(variables: Any) -> Dict[str, np.ndarray]:
 
 
 def model_config(model: gpt.GPT) -> Dict[str, Any]:
-    """The GPT's fields as JSON (flax's parent/name are not configuration)."""
+    """The GPT's fields as JSON (flax's parent/name are not configuration, nor how it computes:
+    gpt.EXECUTION_FIELDS)."""
     return {f.name: getattr(model, f.name) for f in dataclasses.fields(model)
-            if f.name not in ("parent", "name")}
+            if f.name not in ("parent", "name", *gpt.EXECUTION_FIELDS)}
 
 
 def save_checkpoint(directory: str, model: gpt.GPT, variables: Any, tokenizer: Dict[str, Any],

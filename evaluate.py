@@ -421,7 +421,7 @@ class EvaluatorConfig:
     quiet: bool = option(False, "no table and no progress bars on stderr")
     chunks: int = option(16, "batches scanned inside one jitted call")
     simple: bool = option(False, "the simple path: a request a row, a batch of prompts at a time through "
-                                 "gpt.generate (slow; the same scores, to check or to read)")
+                                 "gpt.generate, the plain attention (slow; the same scores, to check or to read)")
     no_compile_cache: bool = option(False, "compile every program afresh: no persistent compilation cache "
                                     "(default: in ~/.cache/gpt-eval/jax, at most 2 GiB; also GPT_EVAL_COMPILE_CACHE=0)")
     coordinator: Optional[str] = option(None, "HOST:PORT of process 0, for a multi-process run")
@@ -471,6 +471,8 @@ class Evaluator(InferenceJob):
         if parts is None:
             mesh = spec.make_mesh()
             parts = Parts(*self.load(mesh), mesh)
+        if self.cfg.simple:  # the simplest path end to end: the inference core's and the model's attention
+            parts = parts._replace(model=parts.model.clone(attention="reference"))
         with refused_as_usage():
             super().__init__(*parts, batch_size=self.cfg.batch_size, chunks=self.cfg.chunks, seed=spec.seed,
                              quiet=self.cfg.quiet, simple=self.cfg.simple)

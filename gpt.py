@@ -5,8 +5,11 @@ This file stands alone: copy it into another project and it still works.
     python gpt.py            # builds the default tiny GPT on CPU, prints its size and a greedy sample
 
 Reading order, bottom-up like nanoGPT: dtypes -> Module (sharding plan, flops,
-components/gather) -> Linear, Norm -> rotary embeddings -> Attention -> MLP, MoE ->
-Block -> GPT -> KV-cache generation -> mesh helpers.
+components/gather) -> Linear, Norm -> rotary embeddings -> attention (attend_reference,
+the plain way, then the fast paths that equal it) -> Attention -> MLP, MoE -> Block -> GPT
+-> generation (generate: a prefill and a loop; then the fast decoder's parts, which
+inference.py runs) -> mesh helpers. GPT(attention="reference") computes attention the
+plain way everywhere; the fast paths are the default.
 
 One GPT covers several HuggingFace families. What makes each family different is a
 handful of fields (see FAMILIES at the bottom of the GPT section): norm kind, MLP kind,
@@ -243,10 +246,34 @@ def rotary(x_BTHE: jax.Array, pos_BT: jax.Array, fraction: float, base: float,
     return jnp.concatenate([rotated.astype(x_BTHE.dtype), x_pass], -1)
 
 
+ATTENTIONS = ("fast", "reference")  # GPT.attention: how attention is computed, never what
+
+
+def attend_reference(q_BTHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allowed_BTS: jax.Array,
+                     scale: Optional[float] = None, softcap: Optional[float] = None,
+                     prefix: Optional[Tuple[jax.Array, jax.Array]] = None) -> jax.Array:
+    """The plain attention (GPT(attention="reference")), which every fast path below equals:
+    each query's scores against all S keys (and a shared prefix's Q keys, seen by every
+    query), masked where allowed_BTS is False, softmax in float32, then the weighted sum of
+    the values; each group of H/K query heads shares one key/value head."""
+    B, T, H, E = q_BTHE.shape
+    K = k_BKSE.shape[1]
+    if prefix is not None:
+        k_BKSE, v_BKSE = (jnp.concatenate([jnp.broadcast_to(p_KQE[None].astype(x.dtype), (B, *p_KQE.shape)), x], 2)
+                          for p_KQE, x in zip(prefix, (k_BKSE, v_BKSE)))
+        allowed_BTS = jnp.concatenate([jnp.ones((allowed_BTS.shape[0], T, prefix[0].shape[1]), bool), allowed_BTS], -1)
+    q_BKGTE = q_BTHE.reshape(B, T, K, H // K, E).transpose(0, 2, 3, 1, 4)
+    scores = jnp.einsum("bkgte,bkse->bkgts", q_BKGTE, k_BKSE, preferred_element_type=jnp.float32)
+    scores = jnp.where(allowed_BTS[:, None, None], capped(scores, E, scale, softcap), jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1)
+    y_BKGTE = jnp.einsum("bkgts,bkse->bkgte", probs.astype(v_BKSE.dtype), v_BKSE, preferred_element_type=jnp.float32)
+    return y_BKGTE.transpose(0, 3, 1, 2, 4).reshape(B, T, H, E).astype(v_BKSE.dtype)
+
+
 def attend(q_BTHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allowed_BTS: jax.Array,
            scale: Optional[float] = None, softcap: Optional[float] = None,
            prefix: Optional[Tuple[jax.Array, jax.Array]] = None) -> jax.Array:
-    """Softmax(q k^T * scale) v, each group of H/K query heads sharing one key/value head;
+    """attend_reference, fast: softmax(q k^T * scale) v, each group of H/K query heads sharing one key/value head;
     scale None means 1 / sqrt(E). With a softcap (Gemma 2) the scaled scores become
     softcap * tanh(scores / softcap) before the mask, as transformers caps them.
 
@@ -340,6 +367,8 @@ class AttentionConfig:
     softcap: Optional[float] = None  # scores -> softcap * tanh(scores / softcap) (Gemma 2)
     dropout: float = 0.0
     residual_std: float = 0.02
+    reference: bool = False  # attend_reference everywhere, instead of the fast paths
+    query_block: int = 256  # queries per block of attend_causal's blocked path
 
 
 def uses_cudnn(dtype: Any) -> bool:
@@ -347,23 +376,20 @@ def uses_cudnn(dtype: Any) -> bool:
     return jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
 
 
-QUERY_BLOCK = 256  # queries per block of attend_causal's blocked path
-
-
 def attend_causal(q_BTHE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, allowed_BTS: Optional[jax.Array] = None,
                   scale: Optional[float] = None, window: Optional[int] = None,
-                  softcap: Optional[float] = None) -> jax.Array:
-    """Attention without a cache, where no query sees a later key (rows right padded, or
-    packed; see GPT.decode). allowed_BTS None: plain causal, and with a window W query i
-    sees keys i - W < j <= i; else allowed_BTS says which keys each query sees (the window
-    folded in).
+                  softcap: Optional[float] = None, query_block: int = 256) -> jax.Array:
+    """attend_reference without a cache, fast, where no query sees a later key (rows right
+    padded, or packed; see GPT.decode). allowed_BTS None: plain causal, and with a window W
+    query i sees keys i - W < j <= i (causal_window); else allowed_BTS says which keys each
+    query sees (the window folded in).
 
     Three ways to one result:
     - cuDNN's fused kernel on a GPU in half precision, plain causal without a soft-cap
       (flash attention: the [T, S] scores are never in memory);
-    - rows of at most QUERY_BLOCK // 4 tokens: attend's einsums over every row's whole
+    - rows of at most query_block // 4 tokens: attend's einsums over every row's whole
       square at once (on a CPU as quick as a row at a time, and no loop to compile);
-    - longer rows in blocks of QUERY_BLOCK queries (attend_blocks; one for a row that
+    - longer rows in blocks of query_block queries (attend_blocks; one for a row that
       short), each seeing only the keys up to its last query: the scores of later keys, all
       masked, are never computed. On a CPU a few rows at a time (rows_at_a_time).
     """
@@ -376,18 +402,18 @@ def attend_causal(q_BTHE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, allow
         except (RuntimeError, ValueError, NotImplementedError):  # raised while tracing, before any work
             pass
     k_BKSE, v_BKSE = k_BTKE.transpose(0, 2, 1, 3), v_BTKE.transpose(0, 2, 1, 3)
-    if T <= QUERY_BLOCK // 4:
+    if T <= query_block // 4:
         if allowed_BTS is None:
             allowed_BTS = causal_window(0, T, 0, T, window)[None]
         return attend(q_BTHE, k_BKSE, v_BKSE, allowed_BTS, scale, softcap)
     rows = rows_at_a_time(B)
     if rows == B:
-        return attend_blocks(q_BTHE, k_BKSE, v_BKSE, allowed_BTS, scale, softcap, window)
+        return attend_blocks(q_BTHE, k_BKSE, v_BKSE, allowed_BTS, scale, softcap, window, query_block)
     # step i takes rows i, i + B/rows, ...: one row of each device's share, as the batch
     # axis splits rows into contiguous shares (a step over a device's own rows alone would
     # make XLA's partitioner gather every row onto every device)
     steps = lambda x_B: None if x_B is None else x_B.reshape(rows, B // rows, *x_B.shape[1:]).swapaxes(0, 1)
-    y_NRTHE = jax.lax.map(lambda args: attend_blocks(*args, scale, softcap, window),
+    y_NRTHE = jax.lax.map(lambda args: attend_blocks(*args, scale, softcap, window, query_block),
                           (steps(q_BTHE), steps(k_BKSE), steps(v_BKSE), steps(allowed_BTS)))
     return y_NRTHE.swapaxes(0, 1).reshape(q_BTHE.shape)
 
@@ -408,14 +434,15 @@ def rows_at_a_time(B: int) -> int:
 
 
 def attend_blocks(q_BTHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allowed_BTS: Optional[jax.Array],
-                  scale: Optional[float], softcap: Optional[float], window: Optional[int]) -> jax.Array:
+                  scale: Optional[float], softcap: Optional[float], window: Optional[int],
+                  query_block: int) -> jax.Array:
     """attend_causal's blocked path: queries start .. end see keys lo .. end, lo the first
     key the window lets the block's first query see (0 with allowed_BTS given: a packed
     row's window counts positions, not slots)."""
     T = q_BTHE.shape[1]
     outs = []
-    for start in range(0, T, QUERY_BLOCK):
-        end = min(start + QUERY_BLOCK, T)
+    for start in range(0, T, query_block):
+        end = min(start + query_block, T)
         if allowed_BTS is None:
             lo = 0 if window is None else max(0, start - window + 1)
             allowed = causal_window(start, end, lo, end, window)[None]
@@ -478,8 +505,13 @@ class Attention(Module):
         if c.rope:
             q_BTHE = rotary(q_BTHE, pos_BT, c.rotary_fraction, c.rope_theta, c.rope_scaling)
             k_BTKE = rotary(k_BTKE, pos_BT, c.rotary_fraction, c.rope_theta, c.rope_scaling)
-        if kv is None:  # no cache: no query sees a later key
-            y_BTHE = attend_causal(q_BTHE, k_BTKE, v_BTKE, allowed_BTS, c.scale, c.window, c.softcap)
+        if kv is None and c.reference:
+            if allowed_BTS is None:
+                allowed_BTS = causal_window(0, T, 0, T, c.window)[None]
+            y_BTHE = attend_reference(q_BTHE, k_BTKE.transpose(0, 2, 1, 3), v_BTKE.transpose(0, 2, 1, 3), allowed_BTS,
+                                      c.scale, c.softcap)
+        elif kv is None:  # no cache: no query sees a later key
+            y_BTHE = attend_causal(q_BTHE, k_BTKE, v_BTKE, allowed_BTS, c.scale, c.window, c.softcap, c.query_block)
         else:  # write the T new keys/values into their cache slots, then attend over all S (fresh: over the T)
             k_BKSE = jax.lax.dynamic_update_slice(kv[0], k_BTKE.transpose(0, 2, 1, 3).astype(kv[0].dtype),
                                                   (0, 0, slot, 0))
@@ -487,7 +519,12 @@ class Attention(Module):
                                                   (0, 0, slot, 0))
             kv = (k_BKSE, v_BKSE)
             if fresh:  # the cache held nothing: the new tokens see only each other (allowed_BTS [B, T, T])
-                y_BTHE = attend_causal(q_BTHE, k_BTKE, v_BTKE, allowed_BTS, c.scale, None, c.softcap)
+                k_BKSE, v_BKSE = k_BTKE.transpose(0, 2, 1, 3), v_BTKE.transpose(0, 2, 1, 3)
+            if c.reference:
+                y_BTHE = attend_reference(q_BTHE, k_BKSE.astype(q_BTHE.dtype), v_BKSE.astype(q_BTHE.dtype),
+                                          allowed_BTS, c.scale, c.softcap, None if fresh else prefix)
+            elif fresh:
+                y_BTHE = attend_causal(q_BTHE, k_BTKE, v_BTKE, allowed_BTS, c.scale, None, c.softcap, c.query_block)
             else:
                 y_BTHE = attend(q_BTHE, k_BKSE.astype(q_BTHE.dtype), v_BKSE.astype(q_BTHE.dtype), allowed_BTS,
                                 c.scale, c.softcap, prefix)
@@ -772,6 +809,9 @@ class GPT(Module):
     n_experts: Optional[int] = None  # a mixture of this many experts in every block, each mlp_hidden wide
     n_experts_per_token: int = 2  # the router's top k
     shared_expert_hidden: Optional[int] = None  # the width of an expert every token uses (Qwen2-MoE)
+    # how it is computed, not what: neither is saved with a checkpoint (EXECUTION_FIELDS)
+    attention: str = "fast"  # "reference": attend_reference everywhere (the simple path)
+    query_block: int = 256  # queries per block of attend_causal's blocked path
 
     def __post_init__(self) -> None:
         # a native checkpoint's config.json gives rope_scaling back as a list; fields must hash
@@ -827,7 +867,8 @@ class GPT(Module):
             qkv_bias=self.has_qkv_bias, out_bias=self.bias, qk_norm=self.qk_norm, norm_eps=self.norm_eps,
             norm_offset=self.norm_offset, rope=self.rope, rotary_fraction=self.rotary_fraction,
             qk_norm_full=self.qk_norm_full, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
-            scale=self.attn_scale, softcap=self.attn_softcap, dropout=self.dropout, residual_std=residual_std)
+            scale=self.attn_scale, softcap=self.attn_softcap, dropout=self.dropout, residual_std=residual_std,
+            reference=self.attention == "reference", query_block=self.query_block)
         local = dataclasses.replace(attention, window=self.sliding_window)
         if self.local_rope_theta is not None:  # Gemma 3: plain rotary with its own base
             local = dataclasses.replace(local, rope_theta=self.local_rope_theta, rope_scaling=None)
@@ -916,7 +957,8 @@ class GPT(Module):
             residual_BTD = x_BTD
             x_BTD, kv = block(x_BTD, pos_BT, local_BTS if self.is_local(depth) else allowed_BTS,
                               deterministic, kv, slot, fresh, prefix)
-            self.measure(x_BTD, residual_BTD, depth, mask_BT)
+            if self.is_mutable_collection("intermediates"):  # asked for: see measure
+                self.measure(x_BTD, residual_BTD, depth, mask_BT)
             new_kvs.append(kv)
         x_BTD = self.ln_f(x_BTD)
         if cache is None:
@@ -941,8 +983,6 @@ class GPT(Module):
         real (unpadded) tokens, sown as intermediates["residual_update"][depth]. It is
         computed only when apply() is given mutable=["intermediates"].
         """
-        if not self.is_mutable_collection("intermediates"):
-            return
         x_BTD, r_BTD = x.astype(jnp.float32), residual.astype(jnp.float32)
         ratio_BT = jnp.linalg.norm(x_BTD - r_BTD, axis=-1) / (jnp.linalg.norm(r_BTD, axis=-1) + 1e-12)
         weight_BT = jnp.ones_like(ratio_BT) if padding_mask is None else padding_mask.astype(jnp.float32)
@@ -1020,6 +1060,8 @@ class GPT(Module):
     def components(cls) -> List[Type[Any]]:
         return [Block, Norm, Linear]
 
+
+EXECUTION_FIELDS = ("attention", "query_block")  # GPT fields that change how, never what, it computes
 
 # What makes each HuggingFace family different, as GPT fields (the loader adds sizes).
 FAMILIES = {
@@ -1130,6 +1172,37 @@ def pick_token(logits_BV: jax.Array, step: jax.Array, keys_B: Optional[jax.Array
     return sample_token(logits_BV, keys_B, temperature, top_p)
 
 
+def generate(model: GPT, params: Any, prompt_BP: jax.Array, mask_BP: jax.Array, max_new_tokens: int,
+             eos_id: Optional[int] = None, temperature: float = 0.0, top_p: float = 1.0,
+             keys_B: Optional[jax.Array] = None) -> jax.Array:
+    """Autoregressive decoding with a KV cache, the plain way: the prefill of the
+    left-padded prompts (mask_BP True at real tokens), then a loop of max_new_tokens steps,
+    each picking every row's next token and feeding it in. keys_B (one PRNG key per sample)
+    makes sampling independent of batching. Returns the new tokens [B, N]; after a row's
+    eos_id the rest of the row repeats eos_id, and a row with an empty prompt is eos_id
+    throughout (0 without one). inference.py's fast decoder gives the same tokens (Rollout,
+    start_rollout, continue_rollout, refill_rollout below)."""
+    B, P = prompt_BP.shape
+    fill = 0 if eos_id is None else eos_id
+    logits_BV, cache = model.apply(params, prompt_BP, mask_BP, model.init_cache(B, P + max_new_tokens), True,
+                                   method=GPT.extend)
+
+    def step(carry: Tuple[jax.Array, KVCache, jax.Array], n: jax.Array):
+        logits_BV, cache, done_B = carry
+        token_B = jnp.where(done_B, fill, pick_token(logits_BV, n, keys_B, temperature, top_p))
+        done_B = done_B | (token_B == (-1 if eos_id is None else eos_id))
+        logits_BV, cache = model.apply(params, token_B[:, None], jnp.ones((B, 1), bool), cache, method=GPT.extend)
+        return (logits_BV, cache, done_B), token_B
+
+    _, tokens_NB = jax.lax.scan(step, (logits_BV, cache, ~mask_BP.any(-1)), jnp.arange(max_new_tokens))
+    return tokens_NB.T
+
+
+# ----------------------------------------------------------------------------- the fast decoder
+# inference.py decodes in segments, to stop at stop strings, and gives rows that are done new
+# prompts (continuous batching): the same tokens as generate, from these parts.
+
+
 class Rollout(NamedTuple):
     """Decoding in progress, between calls of continue_rollout: the decoding steps run,
     each row's next token (chosen, not yet written), the KV cache, the new tokens out_BN
@@ -1229,19 +1302,6 @@ def refill_rollout(model: GPT, params: Any, rollout: Rollout, row: jax.Array, pr
                             done_B=rollout.done_B.at[row].set(done),
                             finite_B=rollout.finite_B.at[row].set(done | finite_rows(logits_1V)[0]),
                             written_B=rollout.written_B.at[row].set(0))
-
-
-def generate(model: GPT, params: Any, prompt_BP: jax.Array, mask_BP: jax.Array, max_new_tokens: int,
-             eos_id: Optional[int] = None, temperature: float = 0.0, top_p: float = 1.0,
-             keys_B: Optional[jax.Array] = None) -> jax.Array:
-    """Autoregressive decoding with a KV cache, all inside one traced function: the prefill
-    (start_rollout), then one token per step until max_new_tokens or until every row has
-    produced eos_id (continue_rollout). keys_B (one PRNG key per sample) makes sampling
-    independent of batching. Returns the new tokens [B, N]; after a row's eos_id the rest
-    of the row repeats eos_id. (inference.py runs the same parts in segments, to stop at
-    stop strings too, and refills rows that are done: refill_rollout.)"""
-    rollout = start_rollout(model, params, prompt_BP, mask_BP, max_new_tokens, eos_id, temperature, top_p, keys_B)
-    return continue_rollout(model, params, rollout, max_new_tokens, eos_id, temperature, top_p, keys_B).out_BN
 
 
 # ----------------------------------------------------------------------------- meshes

@@ -320,7 +320,7 @@ def pack_requests(requests: Iterable[Request], max_len: int, share: bool) -> Ite
 # window of packs (see InferenceJob.in_blocks) first goes into rows of FILL_LENGTH tokens,
 # several packs end to end where they fit, each its own segment that sees nothing of the
 # others (packed_allowed). Rows that short attend in one block of queries either way
-# (gpt.QUERY_BLOCK); longer packs (MMLU's 5-shot questions, a long document's windows)
+# (GPT.query_block); longer packs (MMLU's 5-shot questions, a long document's windows)
 # keep a row each.
 
 FILL_LENGTH = 256
@@ -971,9 +971,9 @@ class InferenceJob:
         n, packed = chunks * rows, any(len(p.requests) > 1 for p in packs)
         check_plan(len(packs) <= n, packs[-1].requests[0].doc, f"{len(packs)} packs in a block of {n} rows")
         # cuDNN's fused attention (no [T, S] scores in memory) runs only unpacked rows without a
-        # soft-cap; else queries go in blocks of gpt.QUERY_BLOCK (gpt.attend_causal)
+        # soft-cap; else queries go in blocks of the model's query_block (gpt.attend_causal)
         fused = gpt.uses_cudnn(self.model.adtype) and self.model.attn_softcap is None and not packed
-        self.check_memory(rows, length, width, 0 if fused else min(length, gpt.QUERY_BLOCK))
+        self.check_memory(rows, length, width, 0 if fused else min(length, self.model.query_block))
         tokens, mask = self.pad([p.tokens for p in packs], length, n, left=False)
         per_share = rows // self.dp
         where, targets, owner, real_per_share = scored_slots(packs, chunks * self.dp, per_share, length, width)

@@ -263,14 +263,12 @@ def test_kv_cache_greedy_equals_recompute(name):
 
 @pytest.mark.parametrize("name", ["gpt2", "everything"])
 @pytest.mark.parametrize("prefill", ["over the cache", "fresh", "fresh, query blocks of 2"])
-def test_extend_logits_equal_full_forward(name, prefill, monkeypatch):
+def test_extend_logits_equal_full_forward(name, prefill):
     """Prefill a ragged batch, then feed tokens one at a time: each step's logits (those of
     its last token) equal the full forward pass over the whole left-padded sequence. The
     prefill attends over all the cache's slots, or (fresh, as start_rollout asks) among the
     prompts' own tokens, whole or in query blocks (with EVERYTHING's sliding window)."""
-    if prefill.endswith("of 2"):
-        monkeypatch.setattr(gpt, "QUERY_BLOCK", 2)
-    model = tiny(**CONFIGS[name])
+    model = tiny(**CONFIGS[name], query_block=2 if prefill.endswith("of 2") else 256)
     variables = init(model)
     idx, mask = left_pad(ragged_prompts())
     extra = tokens((len(idx), STEPS), seed=3)
@@ -407,13 +405,14 @@ def test_sharded_equals_single_device(sharded_case, batch, shard):
                                                      ("everything", 4, 2, 2), ("mixture", 4, 2, 2)])
 def test_fused_causal_path_equals_left_padded_masked_path(name, batch, shard, block, monkeypatch):
     """Scoring runs right-padded rows with no mask (attend_causal, plain causal);
-    generation and the parity tests run left-padded rows with a mask: the same logits at
-    every real token, on one device and tensor-parallel. With a query block of 2 both take
-    the blocked path (each block only the keys up to its last query, and past the window of
-    3; on the 4x2 mesh a row of each device's share at a time) and still give the logits of
-    the whole-square attention at every real token. Soft-capped scores (mixture) never take a fused kernel,
-    which cannot cap them."""
-    model = tiny(**CONFIGS[name])
+    generation and the parity tests run left-padded rows with a mask (attend): both give the
+    logits of the reference attention (GPT(attention="reference"), attend_reference) at every
+    real token, on one device and tensor-parallel. With a query block of 2 both take the
+    blocked path (each block only the keys up to its last query, and past the window of 3;
+    on the 4x2 mesh a row of each device's share at a time). Soft-capped scores (mixture)
+    never take a fused kernel, which cannot cap them. (A padding query's logits are junk
+    either way and are not compared.)"""
+    model = tiny(**CONFIGS[name], query_block=block or 256)
     mesh = gpt.make_mesh(batch, shard, devices=jax.devices()[:batch * shard])
     params = gpt.place_params(model, mesh, init(model))
     rows = ragged_prompts() + ragged_prompts(seed=9)
@@ -422,19 +421,16 @@ def test_fused_causal_path_equals_left_padded_masked_path(name, batch, shard, bl
     for b, row in enumerate(rows):
         right_idx[b, :len(row)] = row
     put = lambda x: jax.device_put(x, gpt.input_sharding(model, mesh, ("batch", None)))
-    # traced afresh each time (not the cached `forward`): a trace keeps the QUERY_BLOCK it was made with
-    masked_forward = lambda: jax.jit(lambda v, idx, mask: model.apply(v, idx, padding_mask=mask, deterministic=True)[0])
-    reference = np.asarray(masked_forward()(params, put(left_idx), put(left_mask)))
     if block is not None:
-        monkeypatch.setattr(gpt, "QUERY_BLOCK", block)
         assert right_idx.shape[1] > 2 * block and len(rows) > batch  # several blocks, and steps over rows
     if CONFIGS[name].get("attn_softcap") is not None:  # as if on a GPU: a fused kernel would be taken
         monkeypatch.setattr(gpt, "uses_cudnn", lambda dtype: True)
         monkeypatch.setattr(jax.nn, "dot_product_attention", None)  # calling it would fail
     with jax.set_mesh(mesh):
-        masked = np.asarray(masked_forward()(params, put(left_idx), put(left_mask)))
+        reference, masked = (np.asarray(forward(m)(params, put(left_idx), put(left_mask)))
+                             for m in (model.clone(attention="reference"), model))
         fused = np.asarray(jax.jit(lambda p, x: model.apply(p, x, deterministic=True)[0])(params, put(right_idx)))
-    assert np.abs(masked - reference)[left_mask].max() <= 1e-5  # a padding query's logits are junk either way
+    assert np.abs(masked - reference)[left_mask].max() <= 1e-5
     for b, row in enumerate(rows):
         assert np.abs(reference[b, -len(row):] - fused[b, :len(row)]).max() <= 1e-5
 
@@ -1148,6 +1144,48 @@ def fuzz_settings(examples):
                                print_blob=True, suppress_health_check=list(hypothesis.HealthCheck),
                                # no "explain" phase: it traces every line of a failing example, for minutes
                                phases=[p for p in hypothesis.Phase if p != hypothesis.Phase.explain])
+
+
+@fuzz_settings(6)
+@hypothesis.given(name=st.sampled_from(sorted(CONFIGS)), lengths=st.lists(st.integers(1, 12), min_size=1, max_size=5),
+                  prefix=st.integers(0, 6), fresh=st.booleans(), block=st.sampled_from([2, 256]),
+                  steps=st.integers(1, 4), seed=st.integers(0, 9))
+def test_fast_attention_equals_the_reference_attention(name, lengths, prefix, fresh, block, steps, seed):
+    """Every fast attention path gives the logits of attend_reference (GPT(attention=
+    "reference")), within 1e-5 of the largest: unmasked rows (attend_causal, whole-square or
+    in query blocks), masked left-padded rows (attend), a KV cache's prefill (fresh, or over
+    the cache's slots), decoding steps (attend's one-query path), and a shared prefix held
+    once (KVCache.prefix_keys), on every family's options."""
+    model = tiny(**CONFIGS[name], query_block=block)
+    prefix = 0 if model.sliding_window is not None else prefix  # a shared prefix counts no window
+    variables = init(model, seed)
+    rng = np.random.default_rng(seed)
+    rows = [rng.integers(0, 320, n) for n in lengths]
+    idx, mask = left_pad(rows)
+    right_idx = np.zeros_like(idx)
+    for b, row in enumerate(rows):
+        right_idx[b, :len(row)] = row
+    extra, shared = rng.integers(0, 320, (len(rows), steps)), rng.integers(0, 320, (1, prefix))
+
+    def logits(m):
+        extend = jax.jit(lambda v, x, k, c, fresh=False: m.apply(v, x, k, c, fresh, method=gpt.GPT.extend),
+                         static_argnums=4)
+        unmasked = np.asarray(jax.jit(lambda v, x: m.apply(v, x, deterministic=True)[0])(variables, right_idx))
+        unmasked = np.concatenate([unmasked[b, :len(row)] for b, row in enumerate(rows)])
+        masked = np.asarray(forward(m)(variables, idx, mask))[mask]
+        held = None
+        if prefix:
+            _, held = extend(variables, shared, np.ones((1, prefix), bool), m.init_cache(1, prefix), True)
+        cache = m.init_cache(len(rows), idx.shape[1] + steps, held)
+        step, cache = extend(variables, idx, mask, cache, fresh and not prefix)
+        steps_BNV = [np.asarray(step)]
+        for t in range(steps):
+            step, cache = extend(variables, extra[:, t:t + 1], np.ones((len(rows), 1), bool), cache)
+            steps_BNV.append(np.asarray(step))
+        return unmasked, masked, np.stack(steps_BNV, 1)
+
+    for fast, plain in zip(logits(model), logits(model.clone(attention="reference"))):
+        assert np.abs(fast - plain).max() <= 1e-5 * max(1.0, np.abs(plain).max())
 
 
 class Pieces:
