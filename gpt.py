@@ -279,16 +279,12 @@ def attend(q_BTHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allowed_BTS:
 
     Keys and values come head-major, [B, K, S, E], the KV cache's own layout: both einsums
     are then batched over (B, K) with S and E where a matmul wants them, so XLA copies
-    nothing of the cache at a decoding step (with [B, S, K, E] it transposed every layer's
-    keys at every step: 2.6x slower steps at a 545-slot cache on CPU). At a decoding step
-    (one query per row) with grouped heads (G = H / K > 1) both products are a multiply and
-    a sum instead, which XLA fuses into one pass over the cache: as matmuls of G rows, XLA's
-    CPU dots read the cache at 2-3 GB/s (a 117M Llama, 16 rows, 896 slots: 269 -> 125 ms per
-    step). With one query head per key head (GPT-2) they stay matmuls: there XLA's CPU
-    fusion of the multiply and sum is 40x slower than the dot (8 rows, 96 slots, 12 heads:
-    4.7 ms a layer against 0.12; a GPT-2-small step 117 -> 42 ms). Scores and softmax are
-    float32; fully masked rows (left padding) come out finite and are never read by real
-    tokens.
+    nothing of the cache at a decoding step. At a decoding step (one query per row) with
+    grouped heads (G = H / K > 1) both products are a multiply and a sum instead, which XLA
+    fuses into one pass over the cache (its CPU dots of G rows read the cache slowly); with
+    one query head per key head (GPT-2) they stay matmuls, where the dot is the quicker
+    (docs/speed.md has the numbers). Scores and softmax are float32; fully masked rows (left
+    padding) come out finite and are never read by real tokens.
 
     prefix (k_KQE, v_KQE): Q keys and values before every row's own S, all of them seen by
     every query (a batch's shared few-shot examples, KVCache.prefix_keys). At a decoding
@@ -329,8 +325,7 @@ def attend(q_BTHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allowed_BTS:
                                          prefix[1].astype(v_BKSE.dtype), preferred_element_type=jnp.float32)
         return y_BKGE.astype(v_BKSE.dtype).reshape(B, T, H, E)
     # softmax normalized after the product with v, T x E divisions instead of T x S: on a
-    # CPU each pass over the scores costs more than the products (6 rows of 1,024 tokens,
-    # 9 heads of 64: 150 ms a layer with the softmax before the product, 73 ms so)
+    # CPU each pass over the scores costs more than the products
     weights = jnp.exp(scores - jax.lax.stop_gradient(scores.max(-1, keepdims=True)))
     y_BKGTE = jnp.einsum("bkgts,bkse->bkgte", weights.astype(v_BKSE.dtype), v_BKSE,
                          preferred_element_type=jnp.float32)
@@ -420,12 +415,9 @@ def attend_causal(q_BTHE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, allow
 
 def rows_at_a_time(B: int) -> int:
     """How many rows attend_blocks takes at once: all B on an accelerator; on a CPU one per
-    device of the mesh's "batch" axis, so that a block's scores stay in cache. Measured on
-    2 cores, 16 rows of 2048 tokens, 9 heads of 64: XLA's whole-square attention 5.2 s,
-    query blocks over all rows 1.3 s, query blocks a row at a time 0.55 s (torch's flash
-    kernel: 0.35 s); 16 rows of 256 tokens, one layer: 53 ms all rows at once, 23 ms a row
-    at a time (128 tokens: 9.6 and 8.4 ms; 64: 2.7 and 3.4 ms). The mesh is the one traced
-    under (jax.set_mesh; InferenceJob does)."""
+    device of the mesh's "batch" axis, so that a block's scores stay in cache (over twice
+    as quick at 256 tokens and more). The mesh is the one traced under (jax.set_mesh;
+    InferenceJob does)."""
     if jax.default_backend() != "cpu":
         return B
     mesh = jax.sharding.get_abstract_mesh()
@@ -1135,7 +1127,7 @@ def token_nll(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
 def first_largest(logits_BV: jax.Array) -> jax.Array:
     """jnp.argmax over the last axis (the first of equal largest values) as a max and a
     masked min, two fused passes: XLA's CPU argmax, a paired value-and-index reduction, is
-    3x slower (8 rows of 49,152 logits: 0.94 ms against 0.31, at every decoding step). A
+    three times slower, at every decoding step. A
     row holding NaN gets the last index, not the NaN's; decoding refuses such rows anyway
     (finite_rows)."""
     V = logits_BV.shape[-1]

@@ -481,7 +481,7 @@ def is_argmax(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
     """Whether each target is argmax(logits) [B, T], ties going to the first index as in
     jnp.argmax and torch.argmax: no logit above the target's, none equal before it. One
     fused comparison pass: XLA's CPU backend runs jnp.argmax's paired value-and-index
-    reduction slowly (0.6 s of a 8.5 s GPT-2-small 8 x 512 scoring call; this, 0.01 s)."""
+    reduction slowly (a fourteenth of a scoring call; this, a thousandth)."""
     target_BT1 = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)
     index_BTV = jax.lax.broadcasted_iota(jnp.int32, logits_BTV.shape, logits_BTV.ndim - 1)
     beaten_BTV = (logits_BTV > target_BT1) | ((logits_BTV == target_BT1) & (index_BTV < targets_BT[..., None]))
@@ -668,8 +668,8 @@ class InferenceJob:
         """(start, rows, shape) of each batch: its longest row's padded_length, and in any
         other dimension (scored slots) scored_width. A batch that would be
         alone in its shape takes the shape of the batch before it when that is at most a
-        quarter longer: tracing and compiling a 30-layer model takes 2-3 s on a CPU, as long
-        as computing some 2,000 tokens, so for a small dataset a little padding is cheaper.
+        quarter longer: compiling a shape takes as long as computing a few thousand tokens,
+        so for a small dataset a little padding is cheaper.
         (In a large one, neighbours in sorted order share shapes and nothing is merged.)"""
         batches = []
         for start in range(0, len(sizes), self.batch_size):
@@ -827,8 +827,7 @@ class InferenceJob:
         real one, so the float32 logits [G, M, V] never exist whole (a 151,936-token
         vocabulary at 16 x 1024 would be 10 GB) and padding costs nothing. A multiple choice
         block pads each row's scored slots to its longest row's power of two, about half of
-        them in hellaswag's rows (16 rows of 128 tokens, 65 of 128 slots a row real,
-        vocabulary 19,254: 2.06 s a block unembedding them all, 1.82 s so, on 2 cores)."""
+        them in hellaswag's rows, which the loop never unembeds."""
         G, M, D = x_GMD.shape
         P = min(self.unembed_piece, M & -M)  # positions per piece: a power of two dividing M
         while 4 * G * P * self.model.vocab_size > LOGITS_BYTES and P % 2 == 0:
@@ -1132,10 +1131,8 @@ class InferenceJob:
         """The rollout's rows still running, and enough done ones to fill the next power of
         two of rows (a multiple of the data-parallel size), once that is at most a quarter of
         the rows it has; else the rollout as it is. Each row count compiles the decoding
-        segment anew (2-3 s for a 30-layer model on a CPU): 16 rows go to 4, then 1, never
-        through 8 and 2. Measured on bench.py's gsm8k-style answers, two 16-row batches, a 117M
-        Llama on 2 cores: 51.2 s of decoding without dropping rows, 38.9 s halving (five
-        shapes), 37.7 s by quarters (three)."""
+        segment anew: 16 rows go to 4, then 1, never through 8 and 2 (quarters beat halves
+        and beat keeping every row: docs/speed.md)."""
         running = np.flatnonzero(owner >= 0)
         rows = -(-(1 << max(len(running) - 1, 0).bit_length()) // self.dp) * self.dp
         if 4 * rows > len(owner):

@@ -47,7 +47,7 @@ import gpt
 # as early as its inputs allow. Its matmuls take float32, so in a bfloat16 model every
 # weight is converted up front: the forward pass holds a float32 copy of the whole model
 # (a 2.7 GiB model peaked at 8.6 GiB). Its memory-minimizing scheduler converts each weight
-# where it is used (3.7 GiB peak), but decodes a float32 model 10-20% slower, so the command
+# where it is used (3.7 GiB peak), but decodes a float32 model more slowly, so the command
 # line chooses it for models in other dtypes only (evaluate.start_processes).
 CPU_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler"
 
