@@ -536,6 +536,32 @@ class DecodeRun(NamedTuple):
     cache_slots: int
 
 
+class Queue:
+    """A rollout's requests (longest prompt first) and where each stands between segments
+    (InferenceJob.decode_queue): the plan (plan_rollout: prompts, shared prefix, cache slots
+    per prompt, rows, the padded prompts), each row's request (owner; -1: none) and its
+    document id, each request's tokens and end once done, the step it began at and the
+    tokens checked for stop strings, the next waiting request, the steps and row-steps run."""
+
+    def __init__(self, requests: List[GenerationRequest], prompts: List[List[int]], prefix: List[int], length: int,
+                 rows: int, tokens: np.ndarray, mask: np.ndarray):
+        self.requests, self.prompts, self.prefix, self.length, self.rows = requests, prompts, prefix, length, rows
+        self.tokens, self.mask = tokens, mask
+        self.owner = np.where(np.arange(rows) < len(requests), np.arange(rows), -1)
+        self.ids = np.array([requests[i].doc if i >= 0 else 0 for i in self.owner], np.int32)
+        self.news: List[List[int]] = [[] for _ in requests]
+        self.ends: List[Optional[int]] = [None] * len(requests)
+        self.began, self.checked = np.zeros(len(requests), int), np.ones(len(requests), int)
+        self.waiting, self.step, self.row_steps = min(rows, len(requests)), 0, 0
+
+    def counted(self, n_new: int) -> DecodeRun:
+        """What the rollout ran, for bench.py and the tests."""
+        own = self.length - len(self.prefix)  # each row's prompt slots after the shared prefix
+        needed = max(int(b) + (n_new if e is None else e) for b, e in zip(self.began, self.ends))
+        return DecodeRun(self.rows, self.step, needed, len(self.prefix) + len(self.requests) * own, self.row_steps,
+                         len(self.prefix) + self.rows * (own + n_new))
+
+
 class InferenceJob:
     """Holds the model, its sharded parameters, the mesh and the tokenizer, and runs requests.
 
@@ -687,12 +713,10 @@ class InferenceJob:
 
     def in_blocks(self, packs: Iterable[Pack], run_block: Callable[..., List[List[Scored]]],
                   fill: bool) -> Iterator[List[Tuple[Pack, List[Scored]]]]:
-        """Each window's [(pack, its requests' Scored)], in pack order; run_block(packs,
-        chunks, rows, length, width) runs one block of at most self.chunks batches. A window
-        of SORT_WINDOW blocks' packs is filled into rows (fill_rows; with fill False a row
-        each) and sorted by length at a time, so memory does not grow with the dataset. A
-        document is reported done (self.report) when its last request has run; one that goes
-        on in the next window, when that part has."""
+        """Each window's [(pack, its requests' Scored)], in pack order: the windows of
+        SORT_WINDOW blocks' packs, each run on its own (run_window), so memory does not grow
+        with the dataset. A document is reported done (self.report) when its last request has
+        run; one that goes on in the next window, when that part has."""
         packs = iter(packs)
         size = self.batch_size * self.chunks * SORT_WINDOW
         window = list(itertools.islice(packs, size))
@@ -701,24 +725,32 @@ class InferenceJob:
             left = collections.Counter(r.doc for p in window for r in p.requests)
             if following:
                 left[following[0].requests[0].doc] += 1  # not done before the next window
-            room = min(self.fill_length, self.max_len)
-            rows = fill_rows([len(p.tokens) for p in window], room) if fill else [[i] for i in range(len(window))]
-            merged = [joined_packs([window[i] for i in row]) for row in rows]
-            order = sorted(range(len(rows)), key=lambda r: -len(merged[r].tokens))
-            results: List[Any] = [None] * len(window)
-            sizes = [(len(merged[r].tokens), len(merged[r].scored)) for r in order]
-            for start, chunks, n, shape in self.schedule(sizes, self.max_len, self.chunks, not following):
-                picked = order[start:start + chunks * n]
-                for r, scored in zip(picked, run_block([merged[r] for r in picked], chunks, n, *shape)):
-                    for i in rows[r]:  # the row's Scored, split back into its packs'
-                        results[i], scored = scored[:len(window[i].requests)], scored[len(window[i].requests):]
-                real = sum(len(merged[r].tokens) for r in picked)
-                self.blocks_run.append((real, chunks, n, shape[0]))
-                docs = [q.doc for r in picked for q in merged[r].requests]
-                left.subtract(docs)
-                self.advance(sum(left[doc] == 0 for doc in set(docs)), real)
-            yield list(zip(window, results))
+            yield list(zip(window, self.run_window(window, run_block, fill, left, not following)))
             window = following
+
+    def run_window(self, window: List[Pack], run_block: Callable[..., List[List[Scored]]], fill: bool,
+                   left: Dict[int, int], last: bool) -> List[List[Scored]]:
+        """Each pack's requests' Scored: the window's packs filled into rows (fill_rows; with
+        fill False a row each), sorted by length and scheduled into blocks, each run by
+        run_block(packs, chunks, rows, length, width) (at most self.chunks batches); `left`
+        counts each document's requests not run yet."""
+        room = min(self.fill_length, self.max_len)
+        rows = fill_rows([len(p.tokens) for p in window], room) if fill else [[i] for i in range(len(window))]
+        merged = [joined_packs([window[i] for i in row]) for row in rows]
+        order = sorted(range(len(rows)), key=lambda r: -len(merged[r].tokens))
+        results: List[Any] = [None] * len(window)
+        sizes = [(len(merged[r].tokens), len(merged[r].scored)) for r in order]
+        for start, chunks, n, shape in self.schedule(sizes, self.max_len, self.chunks, last):
+            picked = order[start:start + chunks * n]
+            for r, scored in zip(picked, run_block([merged[r] for r in picked], chunks, n, *shape)):
+                for i in rows[r]:  # the row's Scored, split back into its packs'
+                    results[i], scored = scored[:len(window[i].requests)], scored[len(window[i].requests):]
+            real = sum(len(merged[r].tokens) for r in picked)
+            self.blocks_run.append((real, chunks, n, shape[0]))
+            docs = [q.doc for r in picked for q in merged[r].requests]
+            left.subtract(docs)
+            self.advance(sum(left[doc] == 0 for doc in set(docs)), real)
+        return results
 
     def advance(self, documents: int, tokens: int) -> None:
         if self.report is not None:
@@ -1040,80 +1072,92 @@ class InferenceJob:
     def decode_queue(self, queue: List[GenerationRequest], room: int, n_new: int, sampling: Tuple[float, float, int],
                      keep_rows: bool) -> List[Generation]:
         """Requests, longest prompt first, decoded in one rollout of at most batch_size rows,
-        each until EOS, a stop string or n_new tokens. The first rows are prefilled together
-        (the prompts' shared beginning once, then the rest of each); between segments of
-        segment_steps steps the host checks each row's new tokens, a row that is done takes
-        the next waiting prompt (gpt.refill_rollout: continuous batching), and once none
-        waits the rows still running move into a smaller rollout (compact). The texts are
-        those of a batch at a time: a row's tokens depend on its own prompt only."""
+        each until EOS, a stop string or n_new tokens: gpt.generate's tokens for each prompt
+        alone, cut where it ends. Plan (plan_rollout), prefill the first rows together (the
+        prompts' shared beginning once, then the rest of each), then segments of
+        segment_steps steps (decode_segment), between which the host checks each row's new
+        tokens, a row that is done takes the next waiting prompt (continuous batching), and
+        once none waits the rows still running move into a smaller rollout (compact)."""
         temperature, top_p, seed = sampling
         start, advance, refill = self._generator(n_new, temperature, top_p)
+        d = self.plan_rollout(queue, room, n_new, keep_rows)
+        ids_B, prefix_1Q = self.put(d.ids, 0), self.put_whole(np.array([d.prefix], np.int32)) if d.prefix else None
+        with jax.set_mesh(self.mesh):  # traced under the mesh: the prefill's attention reads it (gpt.rows_at_a_time)
+            rollout = start(self.variables, self.put(d.tokens[:d.rows], 0), self.put(d.mask[:d.rows], 0), ids_B, seed,
+                            prefix_1Q)
+        self.blocks_run.append((sum(map(len, d.prompts[:d.rows])), 1, d.rows, d.length))
+        self.advance(0, sum(map(len, d.prompts[:d.rows])))
+        while (d.owner >= 0).any():
+            if d.waiting == len(queue):
+                rollout, ids_B, d.owner = self.compact(rollout, ids_B, d.owner)
+            rollout, ids_B = self.decode_segment(advance, refill, rollout, ids_B, d, n_new, seed)
+        self.rollouts_run.append(d.counted(n_new))
+        return [self.generation(r, d.news[i], d.ends[i], len(r.prompt) > room,
+                                rollout_row(d.tokens[i], d.mask[i], d.news[i][:d.ends[i]], n_new) if keep_rows else None)
+                for i, r in enumerate(queue)]
+
+    def plan_rollout(self, queue: List[GenerationRequest], room: int, n_new: int, keep_rows: bool) -> "Queue":
+        """The rollout's plan: each prompt's last `room` tokens, their shared beginning (none
+        for kept rows, which are whole prompts), the cache slots a prompt takes (the longest
+        prompt's: every later one fits), the rows, and the prompts left-padded after the
+        prefix; each checked to fit, and the whole to fit in memory."""
         prompts = [r.prompt[-room:] for r in queue]
-        prefix = [] if keep_rows else self.shared_prefix(prompts)  # kept rows are whole prompts
-        length = padded_length(len(prompts[0]), room)  # the longest prompt's: every later one fits its slots
+        prefix = [] if keep_rows else self.shared_prefix(prompts)
+        length = padded_length(len(prompts[0]), room)
         rows = min(self.batch_size, -(-len(queue) // self.dp) * self.dp)
         for r, p in zip(queue, prompts):  # each prompt, a first row's or a refill's, fits its row's cache slots
             check_plan(len(p) <= length and p[:len(prefix)] == prefix, r.doc, f"a prompt of {len(p)} tokens in "
                        f"{length} cache slots, after a shared prefix of {len(prefix)}")
         self.check_memory(rows, length + n_new, 1, length)  # after a shared prefix, over the cache whole
         tokens, mask = self.pad([p[len(prefix):] for p in prompts], length - len(prefix), max(rows, len(queue)), True)
-        owner = np.where(np.arange(rows) < len(queue), np.arange(rows), -1)  # each row's request; -1: none
-        ids = np.array([queue[i].doc if i >= 0 else 0 for i in owner], np.int32)
-        ids_B, prefix_1Q = self.put(ids, 0), self.put_whole(np.array([prefix], np.int32)) if prefix else None
-        with jax.set_mesh(self.mesh):  # traced under the mesh: the prefill's attention reads it (gpt.rows_at_a_time)
-            rollout = start(self.variables, self.put(tokens[:rows], 0), self.put(mask[:rows], 0), ids_B, seed,
-                            prefix_1Q)
-        self.blocks_run.append((sum(map(len, prompts[:rows])), 1, rows, length))
-        self.advance(0, sum(map(len, prompts[:rows])))
-        news: List[List[int]] = [[] for _ in queue]
-        ends: List[Optional[int]] = [None] * len(queue)
-        began, checked = np.zeros(len(queue), int), np.ones(len(queue), int)  # a request's first step; tokens known
-        waiting, step, row_steps, eos = min(rows, len(queue)), 0, 0, self.tokenizer.eos_token_id
-        while (owner >= 0).any():
-            if waiting == len(queue):
-                rollout, ids_B, owner = self.compact(rollout, ids_B, owner)
-            live, before = int((owner >= 0).sum()), step
-            rollout, out_RN, written_R, finite_R = advance(self.variables, rollout, self.put(owner < 0, 0), ids_B,
-                                                          seed)
-            step = int(rollout.step)
-            out, written, finite = np.asarray(out_RN), np.asarray(written_R), np.asarray(finite_R)
-            row_steps += len(owner) * (step - before)
-            self.advance(0, live * (step - before))  # the new tokens, for tokens/s
-            for row in np.flatnonzero(owner >= 0):
-                i = owner[row]
-                if not finite[row]:  # the tokens after NaN logits are an argmax over NaN
-                    raise RequestError(f"non-finite logits while generating for document {queue[i].doc} (broken "
-                                       f"weights, or activations beyond {jnp.dtype(self.model.adtype).name}?)")
-                new = out[row, :written[row]].tolist()
-                ends[i] = steps_to_end(new, eos, queue[i].until, self.tokenizer.decode, checked[i])
-                checked[i] = len(new) + 1
-                if ends[i] is None and len(new) < n_new and mask[i].any():  # an empty prompt is done at once
-                    continue
-                news[i], owner[row] = new, -1
-                self.advance(1, 0)
-                if waiting < len(queue):  # the row takes the next prompt, decoded from the next step on
-                    rollout = self.refill_row(refill, rollout, row, tokens[waiting], mask[waiting],
-                                              queue[waiting].doc, seed)
-                    self.blocks_run.append((len(prompts[waiting]), 1, 1, length))
-                    self.advance(0, len(prompts[waiting]))
-                    owner[row], ids[row], began[waiting], waiting = waiting, queue[waiting].doc, step, waiting + 1
-                    ids_B = self.put(ids, 0)
-        own = length - len(prefix)  # each row's prompt slots after the shared prefix
-        self.rollouts_run.append(DecodeRun(rows, step, max(int(b) + (n_new if e is None else e)
-                                                           for b, e in zip(began, ends)),
-                                           len(prefix) + len(queue) * own, row_steps,
-                                           len(prefix) + rows * (own + n_new)))
-        return [self.generation(r, news[i], ends[i], len(r.prompt) > room,
-                                rollout_row(tokens[i], mask[i], news[i][:ends[i]], n_new) if keep_rows else None)
-                for i, r in enumerate(queue)]
+        return Queue(queue, prompts, prefix, length, rows, tokens, mask)
 
-    def refill_row(self, refill: Callable, rollout: Any, row: int, tokens_P: np.ndarray, mask_P: np.ndarray,
-                   doc: int, seed: int) -> Any:
-        """The rollout with this row decoding a new prompt (left-padded tokens and mask, the
-        shared prefix left out) from the next step on: gpt.refill_rollout, its rollout
-        donated; the prompt's sampling key is its document's, as in a batch of its own."""
-        return refill(self.variables, rollout, self.put_whole(np.array(row, np.int32)),
-                      *(self.put_whole(a[None]) for a in (tokens_P, mask_P, np.array(doc, np.int32))), seed)
+    def decode_segment(self, advance: Callable, refill: Callable, rollout: Any, ids_B: jax.Array, d: "Queue",
+                       n_new: int, seed: int) -> Tuple[Any, jax.Array]:
+        """Up to segment_steps more tokens in every running row; then each row the host finds
+        done (EOS, a stop string, n_new tokens, or an empty prompt) gives its request its
+        tokens and takes the next waiting prompt, if any."""
+        live, before = int((d.owner >= 0).sum()), d.step
+        rollout, out_RN, written_R, finite_R = advance(self.variables, rollout, self.put(d.owner < 0, 0), ids_B, seed)
+        d.step = int(rollout.step)
+        out, written, finite = np.asarray(out_RN), np.asarray(written_R), np.asarray(finite_R)
+        d.row_steps += len(d.owner) * (d.step - before)
+        self.advance(0, live * (d.step - before))  # the new tokens, for tokens/s
+        for row in np.flatnonzero(d.owner >= 0):
+            if not self.row_done(d, row, out[row, :written[row]].tolist(), bool(finite[row]), n_new):
+                continue
+            self.advance(1, 0)
+            if d.waiting < len(d.requests):  # the row takes the next prompt, decoded from the next step on
+                rollout = self.refill_row(refill, rollout, row, d, seed)
+                ids_B = self.put(d.ids, 0)
+        return rollout, ids_B
+
+    def row_done(self, d: "Queue", row: int, new: List[int], finite: bool, n_new: int) -> bool:
+        """Whether the request in `row` is done, its tokens then kept and the row freed; where
+        it ends (steps_to_end) from the tokens it had not checked yet on."""
+        i = d.owner[row]
+        if not finite:  # the tokens after NaN logits are an argmax over NaN
+            raise RequestError(f"non-finite logits while generating for document {d.requests[i].doc} (broken "
+                               f"weights, or activations beyond {jnp.dtype(self.model.adtype).name}?)")
+        d.ends[i] = steps_to_end(new, self.tokenizer.eos_token_id, d.requests[i].until, self.tokenizer.decode,
+                                 d.checked[i])
+        d.checked[i] = len(new) + 1
+        if d.ends[i] is None and len(new) < n_new and d.mask[i].any():  # an empty prompt is done at once
+            return False
+        d.news[i], d.owner[row] = new, -1
+        return True
+
+    def refill_row(self, refill: Callable, rollout: Any, row: int, d: "Queue", seed: int) -> Any:
+        """The rollout with this row decoding the next waiting prompt (left-padded, the shared
+        prefix left out) from the next step on: gpt.refill_rollout, its rollout donated; the
+        prompt's sampling key is its document's, as in a batch of its own."""
+        w, doc = d.waiting, d.requests[d.waiting].doc
+        rollout = refill(self.variables, rollout, self.put_whole(np.array(row, np.int32)),
+                         *(self.put_whole(a[None]) for a in (d.tokens[w], d.mask[w], np.array(doc, np.int32))), seed)
+        self.blocks_run.append((len(d.prompts[w]), 1, 1, d.length))
+        self.advance(0, len(d.prompts[w]))
+        d.owner[row], d.ids[row], d.began[w], d.waiting = w, doc, d.step, w + 1
+        return rollout
 
     def shared_prefix(self, prompts: List[List[int]]) -> List[int]:
         """The first tokens all prompts of a rollout have in common (the few-shot examples of a

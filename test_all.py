@@ -1146,7 +1146,7 @@ def fuzz_settings(examples):
                                phases=[p for p in hypothesis.Phase if p != hypothesis.Phase.explain])
 
 
-@fuzz_settings(6)
+@fuzz_settings(3)
 @hypothesis.given(name=st.sampled_from(sorted(CONFIGS)), lengths=st.lists(st.integers(1, 12), min_size=1, max_size=5),
                   prefix=st.integers(0, 6), fresh=st.booleans(), block=st.sampled_from([2, 256]),
                   steps=st.integers(1, 4), seed=st.integers(0, 9))
