@@ -428,9 +428,9 @@ def rows_at_a_time(B: int) -> int:
 def attend_blocks(q_BTHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allowed_BTS: Optional[jax.Array],
                   scale: Optional[float], softcap: Optional[float], window: Optional[int],
                   query_block: int) -> jax.Array:
-    """attend_causal's blocked path: queries start .. end see keys lo .. end, lo the first
-    key the window lets the block's first query see (0 with allowed_BTS given: a packed
-    row's window counts positions, not slots)."""
+    """Equals attend_reference with a causal mask: attend_causal's blocked path: queries start .. end
+    see keys lo .. end, lo the first key the window lets the block's first query see (0 with
+    allowed_BTS given: a packed row's window counts positions, not slots)."""
     T = q_BTHE.shape[1]
     outs = []
     for start in range(0, T, query_block):
@@ -1216,9 +1216,10 @@ class Rollout(NamedTuple):
 def start_rollout(model: GPT, params: Any, prompt_BP: jax.Array, mask_BP: jax.Array, max_new_tokens: int,
                   eos_id: Optional[int] = None, temperature: float = 0.0, top_p: float = 1.0,
                   keys_B: Optional[jax.Array] = None, prefix_1Q: Optional[jax.Array] = None) -> Rollout:
-    """The prefill: one GPT.extend call puts the left-padded prompts (mask_BP True at real
-    tokens) into a cache of exactly P + max_new_tokens slots and picks each first token. A
-    row with an empty prompt only pads the batch: it is done from the start.
+    """generate's prefill, with a shared prefix held once: one GPT.extend call puts the
+    left-padded prompts (mask_BP True at real tokens) into a cache of exactly P + max_new_tokens
+    slots and picks each first token. A row with an empty prompt only pads the batch: it is done
+    from the start.
 
     prefix_1Q: Q first tokens that every prompt begins with (few-shot examples), which
     prompt_BP then leaves out. They are computed once and held once, as the cache's prefix
@@ -1242,9 +1243,10 @@ def start_rollout(model: GPT, params: Any, prompt_BP: jax.Array, mask_BP: jax.Ar
 
 def continue_rollout(model: GPT, params: Any, rollout: Rollout, steps: int, eos_id: Optional[int] = None,
                      temperature: float = 0.0, top_p: float = 1.0, keys_B: Optional[jax.Array] = None) -> Rollout:
-    """Up to `steps` more tokens per row in one while_loop, which ends early once every row
-    is done; a row is done at eos_id or once it has written out_BN's N tokens, and a done
-    row writes nothing more (after eos_id its row holds eos_id, as start_rollout filled it)."""
+    """generate's loop, resumable and stopping once all rows are done: up to `steps` more tokens per
+    row in one while_loop, which ends early once every row is done; a row is done at eos_id or once
+    it has written out_BN's N tokens, and a done row writes nothing more (after eos_id its row holds
+    eos_id, as start_rollout filled it)."""
     B, N = rollout.out_BN.shape
     stop = -1 if eos_id is None else eos_id
     end = rollout.step + steps
@@ -1269,10 +1271,10 @@ def continue_rollout(model: GPT, params: Any, rollout: Rollout, steps: int, eos_
 def refill_rollout(model: GPT, params: Any, rollout: Rollout, row: jax.Array, prompt_1P: jax.Array,
                    mask_1P: jax.Array, eos_id: Optional[int] = None, temperature: float = 0.0, top_p: float = 1.0,
                    key_1: Optional[jax.Array] = None) -> Rollout:
-    """Row `row` of a running rollout, done, takes a new left-padded prompt [1, P] (after
-    the cache's prefix, if it has one) and decodes it with the other rows from the next
-    step on (continuous batching): its prefill runs alone, and its keys and values go into
-    the P slots before the cache's next one, where the row's old tokens were.
+    """Equals generate on the new prompt alone: row `row` of a running rollout, done, takes a new
+    left-padded prompt [1, P] (after the cache's prefix, if it has one) and decodes it with the
+    other rows from the next step on (continuous batching): its prefill runs alone, and its keys and
+    values go into the P slots before the cache's next one, where the row's old tokens were.
 
     The cache is a ring: a row writes its N new tokens from there on, past the last slot
     round to the first, into slots only its own earlier tokens held. With P + N slots (as

@@ -7,9 +7,11 @@
 This file and gpt.py are all it needs: copy the two into another project. Reading order:
 the tokenizer it expects -> the three request types and their results -> shared contexts
 (requests packed into one row) and stop strings -> how requests become fixed-shape blocks
-(padding, sorting, scheduling) and progress reports -> InferenceJob: the jitted kernels
-(one lax.scan over a block's batches; decoding in segments), then loglikelihood,
-loglikelihood_rolling and generate_until, named as lm-evaluation-harness names them:
+(padding, sorting, scheduling) and progress reports -> InferenceJob: the simple path (a
+request a row; gpt.generate), then the fast path, whose every mechanism says in its
+docstring's first words what it equals, and its jitted kernels (one lax.scan over a
+block's batches; decoding in segments), then loglikelihood, loglikelihood_rolling and
+generate_until, named as lm-evaluation-harness names them:
 - loglikelihood: the log-probability of a continuation given a context (token ids);
   requests in a row that see the same context share one pass over it;
 - loglikelihood_rolling: a whole document scored token by token in windows of the
@@ -294,8 +296,8 @@ def common_length(a: List[int], b: List[int]) -> int:
 
 
 def pack_requests(requests: Iterable[Request], max_len: int, share: bool) -> Iterator[Pack]:
-    """Requests in order, in packs of consecutive ones (see joined); with share False, a
-    row each."""
+    """Equals a request a row (simple_scored), fewer tokens: requests in order, in packs of consecutive
+    ones (see joined); with share False, a row each."""
     prefix: List[int] = []
     contexts: List[Context] = []
     longest = 0  # the longest request of the pack, alone
@@ -327,9 +329,9 @@ FILL_LENGTH = 256
 
 
 def fill_rows(lengths: List[int], room: int) -> List[List[int]]:
-    """The indices of packs of these lengths in rows of at most `room` tokens: longest
-    first, each into the first row it fits (first-fit decreasing: at most 11/9 of the
-    fewest rows possible, plus one); a pack longer than `room` alone."""
+    """Equals a pack a row (fill_length 1), fewer slots: the indices of packs of these lengths in rows
+    of at most `room` tokens: longest first, each into the first row it fits (first-fit decreasing:
+    at most 11/9 of the fewest rows possible, plus one); a pack longer than `room` alone."""
     rows: List[List[int]] = []
     free: List[int] = []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
@@ -359,9 +361,10 @@ def joined_packs(packs: List[Pack]) -> Pack:
 
 
 def packed_allowed(segments_BT: jax.Array, branches_BT: jax.Array, leaves_BT: jax.Array) -> jax.Array:
-    """Which keys each query of a packed row sees [B, T, T]: itself and the earlier tokens
-    of its own segment's shared prefix (branch 0), of its own context (its branch, leaf 0)
-    and of its own continuation (its branch and leaf); padding (branch -1) none."""
+    """Equals each request's own causal row: which keys each query of a packed row sees [B, T, T]:
+    itself and the earlier tokens of its own segment's shared prefix (branch 0), of its own context
+    (its branch, leaf 0) and of its own continuation (its branch and leaf); padding (branch -1)
+    none."""
     T = branches_BT.shape[1]
     earlier_1TS = jnp.tril(jnp.ones((T, T), bool))[None]
     same_segment = segments_BT[:, :, None] == segments_BT[:, None, :]
@@ -667,110 +670,6 @@ class InferenceJob:
         """A host array onto every device whole (each process copies its own)."""
         return jax.make_array_from_callback(block.shape, self.replicated, lambda index: block[index])
 
-    def schedule(self, sizes: List[Tuple[int, ...]], cap: int, most_chunks: int,
-                 last: bool = False) -> Iterator[Tuple[int, int, int, Tuple[int, ...]]]:
-        """(start, chunks, rows, shape) blocks for requests of these sizes (a row's length
-        first, then any other padded dimension), sorted longest first. Consecutive rows make
-        batches (see batch_shapes); batches of one shape go most_chunks at a time into a
-        block, the rest one by one; a short last batch has the next power of two of rows (a
-        multiple of the data-parallel size), which later windows' short batches may share,
-        or in the `last` window, where none comes after it, just its rows (the multiple of
-        the data-parallel size above them): MMLU's 40 questions make 6 packed rows of about
-        1,000 tokens, which 8 rows would pad by a third. So no batch is all padding, little
-        of a row is, and there are only a few shapes (so few compilations) whatever the
-        lengths."""
-        batches = self.batch_shapes(sizes, cap)
-        for (rows, shape), group in itertools.groupby(batches, key=lambda b: b[1:]):
-            group = list(group)
-            if rows < self.batch_size:
-                rows = rows if last else 1 << (rows - 1).bit_length()
-                rows = min(self.batch_size, -(-rows // self.dp) * self.dp)
-            while group:
-                chunks = most_chunks if len(group) >= most_chunks else 1
-                yield group[0][0], chunks, rows, shape
-                group = group[chunks:]
-
-    def batch_shapes(self, sizes: List[Tuple[int, ...]], cap: int) -> List[Tuple[int, int, Tuple[int, ...]]]:
-        """(start, rows, shape) of each batch: its longest row's padded_length, and in any
-        other dimension (scored slots) scored_width. A batch that would be
-        alone in its shape takes the shape of the batch before it when that is at most a
-        quarter longer: compiling a shape takes as long as computing a few thousand tokens,
-        so for a small dataset a little padding is cheaper.
-        (In a large one, neighbours in sorted order share shapes and nothing is merged.)"""
-        batches = []
-        for start in range(0, len(sizes), self.batch_size):
-            batch = sizes[start:start + self.batch_size]
-            length = padded_length(max(size[0] for size in batch), cap)
-            others = tuple(scored_width(max(dims), length) for dims in list(zip(*batch))[1:])
-            batches.append((start, len(batch), (length, *others)))
-        alone = collections.Counter(shape for _, _, shape in batches)
-        for i in range(1, len(batches)):
-            (_, _, before), (start, rows, shape) = batches[i - 1], batches[i]
-            if alone[shape] == 1 and all(b >= s for b, s in zip(before, shape)) and 4 * before[0] <= 5 * shape[0]:
-                alone[shape] -= 1
-                batches[i] = (start, rows, before)
-        return batches
-
-    def in_blocks(self, packs: Iterable[Pack], run_block: Callable[..., List[List[Scored]]],
-                  fill: bool) -> Iterator[List[Tuple[Pack, List[Scored]]]]:
-        """Each window's [(pack, its requests' Scored)], in pack order: the windows of
-        SORT_WINDOW blocks' packs, each run on its own (run_window), so memory does not grow
-        with the dataset. A document is reported done (self.report) when its last request has
-        run; one that goes on in the next window, when that part has."""
-        packs = iter(packs)
-        size = self.batch_size * self.chunks * SORT_WINDOW
-        window = list(itertools.islice(packs, size))
-        while window:
-            following = list(itertools.islice(packs, size))
-            left = collections.Counter(r.doc for p in window for r in p.requests)
-            if following:
-                left[following[0].requests[0].doc] += 1  # not done before the next window
-            yield list(zip(window, self.run_window(window, run_block, fill, left, not following)))
-            window = following
-
-    def run_window(self, window: List[Pack], run_block: Callable[..., List[List[Scored]]], fill: bool,
-                   left: Dict[int, int], last: bool) -> List[List[Scored]]:
-        """Each pack's requests' Scored: the window's packs filled into rows (fill_rows; with
-        fill False a row each), sorted by length and scheduled into blocks, each run by
-        run_block(packs, chunks, rows, length, width) (at most self.chunks batches); `left`
-        counts each document's requests not run yet."""
-        room = min(self.fill_length, self.max_len)
-        rows = fill_rows([len(p.tokens) for p in window], room) if fill else [[i] for i in range(len(window))]
-        merged = [joined_packs([window[i] for i in row]) for row in rows]
-        order = sorted(range(len(rows)), key=lambda r: -len(merged[r].tokens))
-        results: List[Any] = [None] * len(window)
-        sizes = [(len(merged[r].tokens), len(merged[r].scored)) for r in order]
-        for start, chunks, n, shape in self.schedule(sizes, self.max_len, self.chunks, last):
-            picked = order[start:start + chunks * n]
-            for r, scored in zip(picked, run_block([merged[r] for r in picked], chunks, n, *shape)):
-                for i in rows[r]:  # the row's Scored, split back into its packs'
-                    results[i], scored = scored[:len(window[i].requests)], scored[len(window[i].requests):]
-            real = sum(len(merged[r].tokens) for r in picked)
-            self.blocks_run.append((real, chunks, n, shape[0]))
-            docs = [q.doc for r in picked for q in merged[r].requests]
-            left.subtract(docs)
-            self.advance(sum(left[doc] == 0 for doc in set(docs)), real)
-        return results
-
-    def advance(self, documents: int, tokens: int) -> None:
-        if self.report is not None:
-            self.report.advance(documents, tokens)
-
-    def check_memory(self, rows: int, length: int, scored: int, queries: int) -> None:
-        """Refuse a batch that cannot fit before building it: the float32 logits and
-        log-probabilities of its `scored` positions per row (a piece at a time, see
-        token_scores), the keys and values of every layer, and the float32 attention scores
-        and probabilities of `queries` queries per row at once (0: a fused kernel, cuDNN),
-        against the memory available."""
-        m = self.model
-        logits = 2 * min(rows * scored * m.vocab_size * 4, LOGITS_BYTES)
-        kv = rows * length * m.n_layers * 2 * m.kv_heads * m.head_width * np.dtype(m.pdtype).itemsize
-        scores = 2 * rows * m.n_head * queries * length * 4
-        needed, free = logits + kv + scores, gpt.available_memory()
-        if needed > free:
-            raise RequestError(f"batch size {self.requested_batch_size}: a batch of {rows} x {length} tokens needs "
-                             f"about {gpt.gigabytes(needed)}, more than the {gpt.gigabytes(free)} available")
-
     # --- the simple path (simple=True): each request alone in a plain causal row, each batch of
     # prompts through gpt.generate. The fast path below (packing, row filling, shape buckets,
     # continuous batching, a shared prefix) gives the same results; test_all.py checks it.
@@ -833,6 +732,112 @@ class InferenceJob:
                 self.advance(1, len(p) + len(out))
                 yield r, self.generation(r, out, end, len(r.prompt) > room, row)
 
+    # --- the fast path: blocks of sorted, packed, filled rows (each equal to the simple path above)
+
+    def schedule(self, sizes: List[Tuple[int, ...]], cap: int, most_chunks: int,
+                 last: bool = False) -> Iterator[Tuple[int, int, int, Tuple[int, ...]]]:
+        """Equals a row a batch, fewer calls: (start, chunks, rows, shape) blocks for requests of these
+        sizes (a row's length first, then any other padded dimension), sorted longest first.
+        Consecutive rows make batches (see batch_shapes); batches of one shape go most_chunks at a
+        time into a block, the rest one by one; a short last batch has the next power of two of rows
+        (a multiple of the data-parallel size), which later windows' short batches may share, or in
+        the `last` window, where none comes after it, just its rows (the multiple of the
+        data-parallel size above them): MMLU's 40 questions make 6 packed rows of about 1,000
+        tokens, which 8 rows would pad by a third. So no batch is all padding, little of a row is,
+        and there are only a few shapes (so few compilations) whatever the lengths."""
+        batches = self.batch_shapes(sizes, cap)
+        for (rows, shape), group in itertools.groupby(batches, key=lambda b: b[1:]):
+            group = list(group)
+            if rows < self.batch_size:
+                rows = rows if last else 1 << (rows - 1).bit_length()
+                rows = min(self.batch_size, -(-rows // self.dp) * self.dp)
+            while group:
+                chunks = most_chunks if len(group) >= most_chunks else 1
+                yield group[0][0], chunks, rows, shape
+                group = group[chunks:]
+
+    def batch_shapes(self, sizes: List[Tuple[int, ...]], cap: int) -> List[Tuple[int, int, Tuple[int, ...]]]:
+        """(start, rows, shape) of each batch: its longest row's padded_length, and in any
+        other dimension (scored slots) scored_width. A batch that would be
+        alone in its shape takes the shape of the batch before it when that is at most a
+        quarter longer: compiling a shape takes as long as computing a few thousand tokens,
+        so for a small dataset a little padding is cheaper.
+        (In a large one, neighbours in sorted order share shapes and nothing is merged.)"""
+        batches = []
+        for start in range(0, len(sizes), self.batch_size):
+            batch = sizes[start:start + self.batch_size]
+            length = padded_length(max(size[0] for size in batch), cap)
+            others = tuple(scored_width(max(dims), length) for dims in list(zip(*batch))[1:])
+            batches.append((start, len(batch), (length, *others)))
+        alone = collections.Counter(shape for _, _, shape in batches)
+        for i in range(1, len(batches)):
+            (_, _, before), (start, rows, shape) = batches[i - 1], batches[i]
+            if alone[shape] == 1 and all(b >= s for b, s in zip(before, shape)) and 4 * before[0] <= 5 * shape[0]:
+                alone[shape] -= 1
+                batches[i] = (start, rows, before)
+        return batches
+
+    def in_blocks(self, packs: Iterable[Pack], run_block: Callable[..., List[List[Scored]]],
+                  fill: bool) -> Iterator[List[Tuple[Pack, List[Scored]]]]:
+        """Equals simple_scored's request a row, in fixed-shape blocks: each window's [(pack, its
+        requests' Scored)], in pack order: the windows of SORT_WINDOW blocks' packs, each run on its
+        own (run_window), so memory does not grow with the dataset. A document is reported done
+        (self.report) when its last request has run; one that goes on in the next window, when that
+        part has."""
+        packs = iter(packs)
+        size = self.batch_size * self.chunks * SORT_WINDOW
+        window = list(itertools.islice(packs, size))
+        while window:
+            following = list(itertools.islice(packs, size))
+            left = collections.Counter(r.doc for p in window for r in p.requests)
+            if following:
+                left[following[0].requests[0].doc] += 1  # not done before the next window
+            yield list(zip(window, self.run_window(window, run_block, fill, left, not following)))
+            window = following
+
+    def run_window(self, window: List[Pack], run_block: Callable[..., List[List[Scored]]], fill: bool,
+                   left: Dict[int, int], last: bool) -> List[List[Scored]]:
+        """Each pack's requests' Scored: the window's packs filled into rows (fill_rows; with
+        fill False a row each), sorted by length and scheduled into blocks, each run by
+        run_block(packs, chunks, rows, length, width) (at most self.chunks batches); `left`
+        counts each document's requests not run yet."""
+        room = min(self.fill_length, self.max_len)
+        rows = fill_rows([len(p.tokens) for p in window], room) if fill else [[i] for i in range(len(window))]
+        merged = [joined_packs([window[i] for i in row]) for row in rows]
+        order = sorted(range(len(rows)), key=lambda r: -len(merged[r].tokens))
+        results: List[Any] = [None] * len(window)
+        sizes = [(len(merged[r].tokens), len(merged[r].scored)) for r in order]
+        for start, chunks, n, shape in self.schedule(sizes, self.max_len, self.chunks, last):
+            picked = order[start:start + chunks * n]
+            for r, scored in zip(picked, run_block([merged[r] for r in picked], chunks, n, *shape)):
+                for i in rows[r]:  # the row's Scored, split back into its packs'
+                    results[i], scored = scored[:len(window[i].requests)], scored[len(window[i].requests):]
+            real = sum(len(merged[r].tokens) for r in picked)
+            self.blocks_run.append((real, chunks, n, shape[0]))
+            docs = [q.doc for r in picked for q in merged[r].requests]
+            left.subtract(docs)
+            self.advance(sum(left[doc] == 0 for doc in set(docs)), real)
+        return results
+
+    def advance(self, documents: int, tokens: int) -> None:
+        if self.report is not None:
+            self.report.advance(documents, tokens)
+
+    def check_memory(self, rows: int, length: int, scored: int, queries: int) -> None:
+        """Refuse a batch that cannot fit before building it: the float32 logits and
+        log-probabilities of its `scored` positions per row (a piece at a time, see
+        token_scores), the keys and values of every layer, and the float32 attention scores
+        and probabilities of `queries` queries per row at once (0: a fused kernel, cuDNN),
+        against the memory available."""
+        m = self.model
+        logits = 2 * min(rows * scored * m.vocab_size * 4, LOGITS_BYTES)
+        kv = rows * length * m.n_layers * 2 * m.kv_heads * m.head_width * np.dtype(m.pdtype).itemsize
+        scores = 2 * rows * m.n_head * queries * length * 4
+        needed, free = logits + kv + scores, gpt.available_memory()
+        if needed > free:
+            raise RequestError(f"batch size {self.requested_batch_size}: a batch of {rows} x {length} tokens needs "
+                             f"about {gpt.gigabytes(needed)}, more than the {gpt.gigabytes(free)} available")
+
     # --- the jitted kernels
 
     def hidden(self, variables: Any, tokens_BT: jax.Array, layout: Optional[Tuple[jax.Array, ...]]) -> jax.Array:
@@ -853,13 +858,14 @@ class InferenceJob:
 
     def token_scores(self, variables: Any, x_GMD: jax.Array, targets_GM: jax.Array,
                      real: jax.Array) -> Tuple[jax.Array, jax.Array]:
-        """(log-probability of each target [G, M], whether it is the argmax [G, M]) given the
-        hidden states that predict them, of which the first `real` (at most) of each row G
-        are asked for: unembedded unembed_piece at a time in a loop that stops after the last
-        real one, so the float32 logits [G, M, V] never exist whole (a 151,936-token
-        vocabulary at 16 x 1024 would be 10 GB) and padding costs nothing. A multiple choice
-        block pads each row's scored slots to its longest row's power of two, about half of
-        them in hellaswag's rows, which the loop never unembeds."""
+        """Equals simple_score's log-softmax and argmax at the asked positions: (log-probability of
+        each target [G, M], whether it is the argmax [G, M]) given the hidden states that predict
+        them, of which the first `real` (at most) of each row G are asked for: unembedded
+        unembed_piece at a time in a loop that stops after the last real one, so the float32 logits
+        [G, M, V] never exist whole (a 151,936-token vocabulary at 16 x 1024 would be 10 GB) and
+        padding costs nothing. A multiple choice block pads each row's scored slots to its longest
+        row's power of two, about half of them in hellaswag's rows, which the loop never
+        unembeds."""
         G, M, D = x_GMD.shape
         P = min(self.unembed_piece, M & -M)  # positions per piece: a power of two dividing M
         while 4 * G * P * self.model.vocab_size > LOGITS_BYTES and P % 2 == 0:
@@ -997,8 +1003,9 @@ class InferenceJob:
 
     def score_packs(self, packs: List[Pack], chunks: int, rows: int, length: int, width: int,
                     keep_rows: bool) -> List[List[Scored]]:
-        """One block of packs [chunks, rows, length], `width` scored slots per row: each
-        pack's requests' Scored. A block with nothing packed runs plain causal rows."""
+        """Equals simple_score for each pack's requests: one block of packs [chunks, rows, length],
+        `width` scored slots per row: each pack's requests' Scored. A block with nothing packed runs
+        plain causal rows."""
         n, packed = chunks * rows, any(len(p.requests) > 1 for p in packs)
         check_plan(len(packs) <= n, packs[-1].requests[0].doc, f"{len(packs)} packs in a block of {n} rows")
         # cuDNN's fused attention (no [T, S] scores in memory) runs only unpacked rows without a
@@ -1071,13 +1078,14 @@ class InferenceJob:
 
     def decode_queue(self, queue: List[GenerationRequest], room: int, n_new: int, sampling: Tuple[float, float, int],
                      keep_rows: bool) -> List[Generation]:
-        """Requests, longest prompt first, decoded in one rollout of at most batch_size rows,
-        each until EOS, a stop string or n_new tokens: gpt.generate's tokens for each prompt
-        alone, cut where it ends. Plan (plan_rollout), prefill the first rows together (the
-        prompts' shared beginning once, then the rest of each), then segments of
-        segment_steps steps (decode_segment), between which the host checks each row's new
-        tokens, a row that is done takes the next waiting prompt (continuous batching), and
-        once none waits the rows still running move into a smaller rollout (compact)."""
+        """Equals simple_generations (gpt.generate, then cut), fewer steps: requests, longest prompt
+        first, decoded in one rollout of at most batch_size rows, each until EOS, a stop string or
+        n_new tokens: gpt.generate's tokens for each prompt alone, cut where it ends. Plan
+        (plan_rollout), prefill the first rows together (the prompts' shared beginning once, then
+        the rest of each), then segments of segment_steps steps (decode_segment), between which the
+        host checks each row's new tokens, a row that is done takes the next waiting prompt
+        (continuous batching), and once none waits the rows still running move into a smaller
+        rollout (compact)."""
         temperature, top_p, seed = sampling
         start, advance, refill = self._generator(n_new, temperature, top_p)
         d = self.plan_rollout(queue, room, n_new, keep_rows)
@@ -1160,10 +1168,11 @@ class InferenceJob:
         return rollout
 
     def shared_prefix(self, prompts: List[List[int]]) -> List[int]:
-        """The first tokens all prompts of a rollout have in common (the few-shot examples of a
-        task), in multiples of shared_prefix_step tokens (so rollouts share one shape), each
-        prompt keeping a token of its own: start_rollout computes them once, not per row, and
-        the cache holds them once. Empty with a sliding window, which counts slots."""
+        """Equals every prompt prefilled whole, once for all rows: the first tokens all prompts of a
+        rollout have in common (the few-shot examples of a task), in multiples of shared_prefix_step
+        tokens (so rollouts share one shape), each prompt keeping a token of its own: start_rollout
+        computes them once, not per row, and the cache holds them once. Empty with a sliding window,
+        which counts slots."""
         if self.model.sliding_window is not None or len(prompts) < 2:
             return []
         common = max(min(len(p) for p in prompts) - 1, 0)  # an empty prompt shares nothing
@@ -1172,11 +1181,11 @@ class InferenceJob:
         return prompts[0][:common // self.shared_prefix_step * self.shared_prefix_step]
 
     def compact(self, rollout: Any, ids_B: jax.Array, owner: np.ndarray) -> Tuple[Any, jax.Array, np.ndarray]:
-        """The rollout's rows still running, and enough done ones to fill the next power of
-        two of rows (a multiple of the data-parallel size), once that is at most a quarter of
-        the rows it has; else the rollout as it is. Each row count compiles the decoding
-        segment anew: 16 rows go to 4, then 1, never through 8 and 2 (quarters beat halves
-        and beat keeping every row: docs/speed.md)."""
+        """Equals keeping every row, fewer rows a step: the rollout's rows still running, and enough
+        done ones to fill the next power of two of rows (a multiple of the data-parallel size), once
+        that is at most a quarter of the rows it has; else the rollout as it is. Each row count
+        compiles the decoding segment anew: 16 rows go to 4, then 1, never through 8 and 2 (quarters
+        beat halves and beat keeping every row: docs/speed.md)."""
         running = np.flatnonzero(owner >= 0)
         rows = -(-(1 << max(len(running) - 1, 0).bit_length()) // self.dp) * self.dp
         if 4 * rows > len(owner):
