@@ -29,7 +29,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save
 
 import gpt
-from jobs import UsageError, first_line, open_regular, read_json, short, write_together
+from jobs import UsageError, first_line, load_tokenizer, open_regular, read_json, short, write_together
 
 
 @dataclasses.dataclass
@@ -549,6 +549,13 @@ def load_checkpoint(directory: str, mesh: jax.sharding.Mesh, dtype: Optional[str
                          f"e.g. {tensors.unused()[0]!r}")
     variables = gpt.place_params(model, mesh, {"params": unflatten(stored)})  # each device's block read here
     return model, variables, config
+
+
+def load_native(directory: str, mesh: jax.sharding.Mesh, dtype: Optional[str] = None) -> Tuple[gpt.GPT, Any, Any]:
+    """(model, variables placed on `mesh`, tokenizer) of a native checkpoint (load_checkpoint,
+    then the tokenizer its config.json describes)."""
+    model, variables, config = load_checkpoint(directory, mesh, dtype)
+    return model, variables, load_tokenizer(config, directory)
 
 
 def check_layer_count(model: gpt.GPT, tensors: TensorFiles) -> None:

@@ -35,9 +35,9 @@ import gpt
 from hf import load_backbone, load_model, resolve_checkpoint  # load_backbone: the reference API has it here too
 from inference import (MIN_TEMPERATURE, GenerationRequest, InferenceJob, PlanError, RequestError,
                        Request, Scored, per_document)
-from checkpoints import Node, load_checkpoint, model_config
+from checkpoints import Node, load_native, model_config
 from jobs import (MAX_SEED, ByteTokenizer, ExecutionSpec, UsageError, builtin_items, exit_status,
-                  is_checkpoint_file, is_eval_item, job, lean_cpu_schedules, load_tokenizer, option, parse_options, short)
+                  is_checkpoint_file, is_eval_item, job, lean_cpu_schedules, option, parse_options, short)
 from runs import (JOURNAL_FILE, KINDS, Journal, JsonlDataset, journaling, out_dir_held, previous_run,
                   run_fingerprint)
 from tasks import LM_EVAL, check_task_options, run_tasks
@@ -636,8 +636,7 @@ class Evaluate(Evaluator):
     def load(self, mesh):
         c = self.cfg
         if self.base is not None:
-            model, variables, config = load_checkpoint(self.base.path, mesh, c.dtype)
-            return model, variables, load_tokenizer(config, self.base.path)
+            return load_native(self.base.path, mesh, c.dtype)
         model = gpt.GPT(param_dtype=c.dtype, activation_dtype=c.dtype)
         return model, gpt.init_params(model, mesh, self.spec.seed), ByteTokenizer()
 

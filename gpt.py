@@ -497,29 +497,27 @@ class Attention(Module):
         if c.rope:
             q_BTHE = rotary(q_BTHE, pos_BT, c.rotary_fraction, c.rope_theta, c.rope_scaling)
             k_BTKE = rotary(k_BTKE, pos_BT, c.rotary_fraction, c.rope_theta, c.rope_scaling)
-        if kv is None and c.reference:
-            if allowed_BTS is None:
-                allowed_BTS = causal_window(0, T, 0, T, c.window)[None]
-            y_BTHE = attend_reference(q_BTHE, k_BTKE.transpose(0, 2, 1, 3), v_BTKE.transpose(0, 2, 1, 3), allowed_BTS,
-                                      c.scale, c.softcap)
-        elif kv is None:  # no cache: no query sees a later key
-            y_BTHE = attend_causal(q_BTHE, k_BTKE, v_BTKE, allowed_BTS, c.scale, c.window, c.softcap, c.query_block)
-        else:  # write the T new keys/values into their cache slots, then attend over all S (fresh: over the T)
+        if kv is not None:  # write the T new keys/values into their cache slots
             k_BKSE = jax.lax.dynamic_update_slice(kv[0], k_BTKE.transpose(0, 2, 1, 3).astype(kv[0].dtype),
                                                   (0, 0, slot, 0))
             v_BKSE = jax.lax.dynamic_update_slice(kv[1], v_BTKE.transpose(0, 2, 1, 3).astype(kv[1].dtype),
                                                   (0, 0, slot, 0))
             kv = (k_BKSE, v_BKSE)
-            if fresh:  # the cache held nothing: the new tokens see only each other (allowed_BTS [B, T, T])
+        # no cache, or an empty one (fresh): the new tokens see only each other, no later key;
+        # else they attend over all S slots. With a cache, allowed_BTS holds the window.
+        own = kv is None or fresh
+        if c.reference:
+            if own:
                 k_BKSE, v_BKSE = k_BTKE.transpose(0, 2, 1, 3), v_BTKE.transpose(0, 2, 1, 3)
-            if c.reference:
-                y_BTHE = attend_reference(q_BTHE, k_BKSE.astype(q_BTHE.dtype), v_BKSE.astype(q_BTHE.dtype),
-                                          allowed_BTS, c.scale, c.softcap, None if fresh else prefix)
-            elif fresh:
-                y_BTHE = attend_causal(q_BTHE, k_BTKE, v_BTKE, allowed_BTS, c.scale, None, c.softcap, c.query_block)
-            else:
-                y_BTHE = attend(q_BTHE, k_BKSE.astype(q_BTHE.dtype), v_BKSE.astype(q_BTHE.dtype), allowed_BTS,
-                                c.scale, c.softcap, prefix)
+            if allowed_BTS is None:
+                allowed_BTS = causal_window(0, T, 0, T, c.window)[None]
+            y_BTHE = attend_reference(q_BTHE, k_BKSE.astype(q_BTHE.dtype), v_BKSE.astype(q_BTHE.dtype), allowed_BTS,
+                                      c.scale, c.softcap, None if own else prefix)
+        elif own:
+            y_BTHE = attend_causal(q_BTHE, k_BTKE, v_BTKE, allowed_BTS, c.scale, c.window, c.softcap, c.query_block)
+        else:
+            y_BTHE = attend(q_BTHE, k_BKSE.astype(q_BTHE.dtype), v_BKSE.astype(q_BTHE.dtype), allowed_BTS,
+                            c.scale, c.softcap, prefix)
         y_BTD = self.o(y_BTHE.reshape(B, T, c.n_head * c.head_dim))
         return self.drop(y_BTD, deterministic=deterministic), kv
 
@@ -1127,9 +1125,8 @@ def token_nll(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
 def first_largest(logits_BV: jax.Array) -> jax.Array:
     """jnp.argmax over the last axis (the first of equal largest values) as a max and a
     masked min, two fused passes: XLA's CPU argmax, a paired value-and-index reduction, is
-    three times slower, at every decoding step. A
-    row holding NaN gets the last index, not the NaN's; decoding refuses such rows anyway
-    (finite_rows)."""
+    three times slower, at every decoding step. A row holding NaN gets the last index, not
+    the NaN's; decoding refuses such rows anyway (finite_rows)."""
     V = logits_BV.shape[-1]
     largest_B1 = logits_BV.max(-1, keepdims=True)
     return jnp.where(logits_BV == largest_B1, jnp.arange(V, dtype=jnp.int32), V - 1).min(-1)

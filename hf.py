@@ -44,10 +44,9 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # its import-ti
 import transformers  # noqa: E402  (torch is never needed, and the first line on stderr is ours)
 
 import gpt
-from checkpoints import (Node, TensorFiles, check_model_fields, concatenated, flatten, load_checkpoint, param_shapes,
+from checkpoints import (Node, TensorFiles, check_model_fields, concatenated, flatten, load_native, param_shapes,
                          read_config, split, stacked)
-from jobs import (CHAT_TEMPLATES, TOKENIZER_FILES, HFTokenizer, UsageError, exit_status, first_line, load_tokenizer,
-                  read_json, short)
+from jobs import CHAT_TEMPLATES, TOKENIZER_FILES, HFTokenizer, UsageError, exit_status, first_line, read_json, short
 
 SUPPORTED = ("gpt2", "llama", "qwen2", "qwen3", "gpt_neox", "mistral", "gemma3_text", "gemma2", "phi3", "olmo2",
              "granite", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
@@ -606,8 +605,7 @@ def load_model(base: Node, mesh: jax.sharding.Mesh, dtype: str = "float32") -> T
     """(model, variables placed on `mesh`, tokenizer) of a checkpoint resolve_checkpoint
     found: a native one (train.py's) or a HuggingFace directory."""
     if base.is_native:
-        model, variables, config = load_checkpoint(base.path, mesh, dtype)
-        return model, variables, load_tokenizer(config, base.path)
+        return load_native(base.path, mesh, dtype)
     model, variables = load_backbone(base.path, dtype, mesh)  # each device's share read from the files
     return model, variables, HFTokenizer(base.path)
 

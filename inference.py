@@ -1093,8 +1093,9 @@ class InferenceJob:
         with jax.set_mesh(self.mesh):  # traced under the mesh: the prefill's attention reads it (gpt.rows_at_a_time)
             rollout = start(self.variables, self.put(d.tokens[:d.rows], 0), self.put(d.mask[:d.rows], 0), ids_B, seed,
                             prefix_1Q)
-        self.blocks_run.append((sum(map(len, d.prompts[:d.rows])), 1, d.rows, d.length))
-        self.advance(0, sum(map(len, d.prompts[:d.rows])))
+        prefilled = sum(map(len, d.prompts[:d.rows]))
+        self.blocks_run.append((prefilled, 1, d.rows, d.length))
+        self.advance(0, prefilled)
         while (d.owner >= 0).any():
             if d.waiting == len(queue):
                 rollout, ids_B, d.owner = self.compact(rollout, ids_B, d.owner)

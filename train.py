@@ -36,8 +36,8 @@ import checkpoints
 import jobs
 from evaluate import Evaluator, EvaluatorConfig, RolloutEvaluation, check_processes, start_processes
 from inference import MIN_TEMPERATURE
-from checkpoints import Node, load_checkpoint, save_checkpoint
-from jobs import ByteTokenizer, ExecutionSpec, UsageError, builtin_items, job, load_tokenizer, option
+from checkpoints import Node, load_native, save_checkpoint
+from jobs import ByteTokenizer, ExecutionSpec, UsageError, builtin_items, job, option
 
 
 @dataclasses.dataclass
@@ -308,8 +308,7 @@ class BaseTrainer:
     def start_from(self, base: Node) -> None:
         """The later stages' start: the model, parameters and tokenizer of a native checkpoint."""
         self.base, self.mesh, self.step = base, self.spec.make_mesh(), 0
-        self.model, self.variables, config = load_checkpoint(base.path, self.mesh)
-        self.tokenizer = load_tokenizer(config, base.path)
+        self.model, self.variables, self.tokenizer = load_native(base.path, self.mesh)
 
     def place_optimizer_state(self, opt_state: Any) -> Any:
         """Adam's moments inherit their parameter's sharding; step counters are replicated."""
