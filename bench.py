@@ -557,7 +557,7 @@ def hf_generate_loop(hf: Any, prompts: List[List[int]], batch: int, n_new: int) 
 
 
 def real_share(blocks: List[Tuple[int, ...]]) -> float:
-    """The share of real tokens in the slots of the blocks run (InferenceJob.blocks_run)."""
+    """The share of real tokens in the slots of the blocks run (InferenceJob.counts)."""
     return sum(b[0] for b in blocks) / sum(c * r * t for _, c, r, t in blocks)
 
 
@@ -575,7 +575,7 @@ def bench_ragged(cfg: BenchConfig, model, variables, mesh, hf, log: CompileLog) 
     generator = evaluator_for(model, variables, tokenizer, mesh, [], cfg.batch)
 
     def score() -> np.ndarray:
-        scorer.blocks_run.clear()
+        scorer.counts.blocks.clear()
         return np.array([-r["nll"] for r in evaluation.result(scorer, tokenizer).records])
 
     out = race({"project_scoring": score,
@@ -592,15 +592,15 @@ def bench_ragged(cfg: BenchConfig, model, variables, mesh, hf, log: CompileLog) 
     tokens, new = sum(map(len, docs)), len(prompts) * cfg.new_tokens
     hf_slots = sum(len(docs[i:i + cfg.batch]) * max(map(len, docs[i:i + cfg.batch]))
                    for i in range(0, len(docs), cfg.batch))
-    generator.blocks_run.clear()
+    generator.counts.blocks.clear()
     greedy(generator, prompts, 1, cfg.seed)()  # the prefill's blocks, to count their padding
     for name, count in [("scoring", tokens), ("generation", new)]:
         for who in ("project", "transformers"):
             out[f"{who}_{name}"]["tokens_per_s"] = count / out[f"{who}_{name}"]["best"]
     return {"docs": len(docs), "tokens": tokens, "prompts": len(prompts), "rel_diff": rel, "identical": identical,
-            "real_share": {"project_scoring": real_share(scorer.blocks_run), "transformers_scoring": tokens / hf_slots,
-                           "project_prefill": real_share(generator.blocks_run)},
-            "blocks": len(scorer.blocks_run), "shapes": len({b[1:] for b in scorer.blocks_run}), **out}
+            "real_share": {"project_scoring": real_share(scorer.counts.blocks), "transformers_scoring": tokens / hf_slots,
+                           "project_prefill": real_share(generator.counts.blocks)},
+            "blocks": len(scorer.counts.blocks), "shapes": len({b[1:] for b in scorer.counts.blocks}), **out}
 
 
 # ----------------------------------------------------------------------------- the machine's limits
@@ -731,7 +731,7 @@ evaluate.use_compile_cache(cfg.no_compile_cache)
 spec = ExecutionSpec(name=evaluate.BackboneEvaluate.KEY, out_dir=cfg.out, seed=cfg.seed, cfg=cfg)
 job = evaluate.BackboneEvaluate(spec, Node(cfg.ckpt))
 job.run()
-print(json.dumps({"blocks": job.blocks_run, "rollouts": [r._asdict() for r in job.rollouts_run],
+print(json.dumps({"blocks": job.counts.blocks, "rollouts": [r._asdict() for r in job.counts.rollouts],
                   "compiled": compiled}))
 """
 
@@ -1327,13 +1327,13 @@ def harness_decoding(evaluator: evaluate.Evaluator, prompts: List[List[int]], n_
     rounds = []
     for _ in range(reps + 1):
         calls.clear()
-        evaluator.rollouts_run.clear()
+        evaluator.counts.rollouts.clear()
         began = time.perf_counter()
         tokens = greedy(evaluator, prompts, n_new, seed)()
         wall = time.perf_counter() - began
         device = {name: sum(s for n, s in calls if n == name) for name in ("start", "advance", "refill")}
         rounds.append({"wall": wall, "prefill": device["start"], "steps_seconds": device["advance"],
-                       "steps": sum(r.steps for r in evaluator.rollouts_run),
+                       "steps": sum(r.steps for r in evaluator.counts.rollouts),
                        "host": wall - sum(device.values()), "tokens": tokens})
     best = min(rounds[1:], key=lambda r: r["wall"])
     return {**best, "first": rounds[0]["wall"], "per_step": best["steps_seconds"] / best["steps"]}

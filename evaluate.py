@@ -32,8 +32,9 @@ import jax
 import numpy as np
 
 import gpt
+from fast import PlanError
 from hf import load_backbone, load_model, resolve_checkpoint  # load_backbone: the reference API has it here too
-from inference import (MIN_TEMPERATURE, GenerationRequest, InferenceJob, PlanError, RequestError,
+from inference import (MIN_TEMPERATURE, GenerationRequest, InferenceJob, RequestError,
                        Request, Scored, per_document)
 from checkpoints import Node, load_native, model_config
 from jobs import (MAX_SEED, ByteTokenizer, ExecutionSpec, UsageError, builtin_items, exit_status,

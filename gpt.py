@@ -7,8 +7,8 @@ This file stands alone: copy it into another project and it still works.
 Reading order, bottom-up like nanoGPT: dtypes -> Module (sharding plan, flops,
 components/gather) -> Linear, Norm -> rotary embeddings -> attention (attend_reference,
 the plain way, then the fast paths that equal it) -> Attention -> MLP, MoE -> Block -> GPT
--> generation (generate: a prefill and a loop; then the fast decoder's parts, which
-inference.py runs) -> mesh helpers. GPT(attention="reference") computes attention the
+-> generation (generate: a prefill and a loop; fast.py's decoder gives the same tokens in
+segments) -> mesh helpers. GPT(attention="reference") computes attention the
 plain way everywhere; the fast paths are the default.
 
 One GPT covers several HuggingFace families. What makes each family different is a
@@ -730,7 +730,7 @@ class KVCache(NamedTuple):
     hold real tokens [B, S], and the slot the next token goes to (a scalar).
 
     prefix_keys, prefix_values: per layer [K, Q, E], Q tokens that come before every row's
-    slots (the few-shot examples all prompts of a batch begin with, start_rollout), held
+    slots (the few-shot examples all prompts of a batch begin with, fast.start_rollout), held
     once for the batch: a decoding step reads them once, not once per row."""
 
     keys: Tuple[jax.Array, ...]
@@ -905,7 +905,7 @@ class GPT(Module):
         a sliding window counts slots (token indices, as transformers counts them): with
         left padding only, a row's real tokens sit in consecutive slots, so it is the window
         of positions too; the slots after the new ones hold older tokens, if any (a ring,
-        see refill_rollout). fresh: the cache is empty (a prefill from slot 0), so the new
+        see fast.refill_rollout). fresh: the cache is empty (a prefill from slot 0), so the new
         tokens attend among themselves without a cache (attend_causal: in query blocks, over
         the keys up to each block's end), not over all S slots, most of them empty.
 
@@ -929,7 +929,7 @@ class GPT(Module):
             cache_valid_BS = jax.lax.dynamic_update_slice(cache.valid_BS, mask_BT, (0, slot))
             if fresh:  # the keys are the new tokens alone
                 valid_BS, query_T, key_S = mask_BT, jnp.arange(T), jnp.arange(T)
-            else:  # a ring: slots after the new tokens hold older ones (refill_rollout), counted as before slot 0
+            else:  # a ring: slots after the new tokens hold older ones (fast.refill_rollout), counted as before slot 0
                 key_S = jnp.arange(cache_valid_BS.shape[1])
                 query_T, key_S = slot + jnp.arange(T), jnp.where(key_S >= slot + T, key_S - len(key_S), key_S)
                 valid_BS = cache_valid_BS
@@ -1169,8 +1169,8 @@ def generate(model: GPT, params: Any, prompt_BP: jax.Array, mask_BP: jax.Array, 
     each picking every row's next token and feeding it in. keys_B (one PRNG key per sample)
     makes sampling independent of batching. Returns the new tokens [B, N]; after a row's
     eos_id the rest of the row repeats eos_id, and a row with an empty prompt is eos_id
-    throughout (0 without one). inference.py's fast decoder gives the same tokens (Rollout,
-    start_rollout, continue_rollout, refill_rollout below)."""
+    throughout (0 without one). fast.py's decoder gives the same tokens (start_rollout,
+    continue_rollout, refill_rollout)."""
     B, P = prompt_BP.shape
     fill = 0 if eos_id is None else eos_id
     logits_BV, cache = model.apply(params, prompt_BP, mask_BP, model.init_cache(B, P + max_new_tokens), True,
@@ -1185,114 +1185,6 @@ def generate(model: GPT, params: Any, prompt_BP: jax.Array, mask_BP: jax.Array, 
 
     _, tokens_NB = jax.lax.scan(step, (logits_BV, cache, ~mask_BP.any(-1)), jnp.arange(max_new_tokens))
     return tokens_NB.T
-
-
-# ----------------------------------------------------------------------------- the fast decoder
-# inference.py decodes in segments, to stop at stop strings, and gives rows that are done new
-# prompts (continuous batching): the same tokens as generate, from these parts.
-
-
-class Rollout(NamedTuple):
-    """Decoding in progress, between calls of continue_rollout: the decoding steps run,
-    each row's next token (chosen, not yet written), the KV cache, the new tokens out_BN
-    [B, N], which rows are done (EOS, N tokens, an empty prompt, or whatever the caller
-    decided), which rows have had finite logits at every step so far (an argmax over NaN
-    is a token too: a caller refuses the text of a row that lost them, rather than print
-    garbage), and how many tokens each row has written (a row given a new prompt by
-    refill_rollout starts again from 0)."""
-
-    step: jax.Array
-    next_B: jax.Array
-    cache: KVCache
-    out_BN: jax.Array
-    done_B: jax.Array
-    finite_B: jax.Array
-    written_B: jax.Array
-
-
-def start_rollout(model: GPT, params: Any, prompt_BP: jax.Array, mask_BP: jax.Array, max_new_tokens: int,
-                  eos_id: Optional[int] = None, temperature: float = 0.0, top_p: float = 1.0,
-                  keys_B: Optional[jax.Array] = None, prefix_1Q: Optional[jax.Array] = None) -> Rollout:
-    """generate's prefill, with a shared prefix held once: one GPT.extend call puts the
-    left-padded prompts (mask_BP True at real tokens) into a cache of exactly P + max_new_tokens
-    slots and picks each first token. A row with an empty prompt only pads the batch: it is done
-    from the start.
-
-    prefix_1Q: Q first tokens that every prompt begins with (few-shot examples), which
-    prompt_BP then leaves out. They are computed once and held once, as the cache's prefix
-    (KVCache.prefix_keys), before every row's P + max_new_tokens slots, the left padding of
-    the rest after them: positions count real tokens, so every token keeps its position and
-    sees what it sees in the whole prompt. Not with a sliding window, which counts slots."""
-    B, P = prompt_BP.shape
-    shared = None
-    if prefix_1Q is not None:
-        Q = prefix_1Q.shape[1]
-        _, shared = model.apply(params, prefix_1Q, jnp.ones((1, Q), bool), model.init_cache(1, Q), True,
-                                method=GPT.extend)
-    cache = model.init_cache(B, P + max_new_tokens, shared)
-    logits_BV, cache = model.apply(params, prompt_BP, mask_BP, cache, prefix_1Q is None, method=GPT.extend)
-    out_BN = jnp.full((B, max_new_tokens), 0 if eos_id is None else eos_id, jnp.int32)
-    first_B = pick_token(logits_BV, 0, keys_B, temperature, top_p)
-    done_B = ~mask_BP.any(-1)
-    return Rollout(jnp.zeros((), jnp.int32), first_B, cache, out_BN, done_B, done_B | finite_rows(logits_BV),
-                   jnp.zeros((B,), jnp.int32))
-
-
-def continue_rollout(model: GPT, params: Any, rollout: Rollout, steps: int, eos_id: Optional[int] = None,
-                     temperature: float = 0.0, top_p: float = 1.0, keys_B: Optional[jax.Array] = None) -> Rollout:
-    """generate's loop, resumable and stopping once all rows are done: up to `steps` more tokens per
-    row in one while_loop, which ends early once every row is done; a row is done at eos_id or once
-    it has written out_BN's N tokens, and a done row writes nothing more (after eos_id its row holds
-    eos_id, as start_rollout filled it)."""
-    B, N = rollout.out_BN.shape
-    stop = -1 if eos_id is None else eos_id
-    end = rollout.step + steps
-
-    def cond(r: Rollout) -> jax.Array:
-        return (r.step < end) & ~r.done_B.all()
-
-    def body(r: Rollout) -> Rollout:
-        column_B = jnp.where(r.done_B, N, r.written_B)  # past the end: dropped
-        out_BN = r.out_BN.at[jnp.arange(B), column_B].set(r.next_B, mode="drop")
-        written_B = r.written_B + ~r.done_B
-        done_B = r.done_B | (r.next_B == stop) | (written_B >= N)
-        logits_BV, cache = model.apply(params, r.next_B[:, None], jnp.ones((B, 1), bool), r.cache,
-                                       method=GPT.extend)
-        next_B = jnp.where(done_B, stop, pick_token(logits_BV, written_B, keys_B, temperature, top_p))
-        finite_B = r.finite_B & (done_B | finite_rows(logits_BV))
-        return Rollout(r.step + 1, next_B, cache, out_BN, done_B, finite_B, written_B)
-
-    return jax.lax.while_loop(cond, body, rollout)
-
-
-def refill_rollout(model: GPT, params: Any, rollout: Rollout, row: jax.Array, prompt_1P: jax.Array,
-                   mask_1P: jax.Array, eos_id: Optional[int] = None, temperature: float = 0.0, top_p: float = 1.0,
-                   key_1: Optional[jax.Array] = None) -> Rollout:
-    """Equals generate on the new prompt alone: row `row` of a running rollout, done, takes a new
-    left-padded prompt [1, P] (after the cache's prefix, if it has one) and decodes it with the
-    other rows from the next step on (continuous batching): its prefill runs alone, and its keys and
-    values go into the P slots before the cache's next one, where the row's old tokens were.
-
-    The cache is a ring: a row writes its N new tokens from there on, past the last slot
-    round to the first, into slots only its own earlier tokens held. With P + N slots (as
-    start_rollout made them for prompts of P tokens) the row's prompt and new tokens fill
-    them exactly; attention reads the slots after the next one as older (GPT.decode)."""
-    cache, (_, P) = rollout.cache, prompt_1P.shape
-    S = cache.valid_BS.shape[1]
-    alone = model.init_cache(1, P)._replace(prefix_keys=cache.prefix_keys, prefix_values=cache.prefix_values)
-    logits_1V, alone = model.apply(params, prompt_1P, mask_1P, alone, not cache.prefix_keys, method=GPT.extend)
-    slots_P = (cache.slot - P + jnp.arange(P)) % S
-    # x[row, :, slots_P] is [P, K, E]: the indexed axes come first, as in numpy
-    put = lambda x_BKSE, new_1KPE: x_BKSE.at[row, :, slots_P].set(new_1KPE[0].swapaxes(0, 1).astype(x_BKSE.dtype))
-    cache = cache._replace(keys=tuple(map(put, cache.keys, alone.keys)),
-                           values=tuple(map(put, cache.values, alone.values)),
-                           valid_BS=cache.valid_BS.at[row].set(False).at[row, slots_P].set(mask_1P[0]))
-    first, done = pick_token(logits_1V, 0, key_1, temperature, top_p)[0], ~mask_1P[0].any()
-    return rollout._replace(next_B=rollout.next_B.at[row].set(first), cache=cache,
-                            out_BN=rollout.out_BN.at[row].set(0 if eos_id is None else eos_id),
-                            done_B=rollout.done_B.at[row].set(done),
-                            finite_B=rollout.finite_B.at[row].set(done | finite_rows(logits_1V)[0]),
-                            written_B=rollout.written_B.at[row].set(0))
 
 
 # ----------------------------------------------------------------------------- meshes

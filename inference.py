@@ -4,12 +4,12 @@
     job = InferenceJob(model, variables, tokenizer, mesh, batch_size=8)   # gpt.py's GPT on a mesh
     [(request, scored)] = job.loglikelihood([Request(0, context_ids, continuation_ids)])
 
-This file and gpt.py are all it needs: copy the two into another project. Reading order:
-the tokenizer it expects -> the three request types and their results -> shared contexts
-(requests packed into one row) and stop strings -> how requests become fixed-shape blocks
-(padding, sorting, scheduling) and progress reports -> InferenceJob: the simple path (a
-request a row; gpt.generate), then the fast path, whose every mechanism says in its
-docstring's first words what it equals, and its jitted kernels (one lax.scan over a
+This file, fast.py and gpt.py are all it needs: copy the three into another project.
+Reading order: the tokenizer it expects -> the three request types and their results ->
+stop strings -> how requests become fixed-shape blocks (padding, sorting, scheduling) and
+progress reports -> InferenceJob: the simple path (a request a row; gpt.generate), then
+the fast path (fast.py's packed rows and decoder, run in blocks), whose every mechanism
+says in its docstring's first words what it equals, and its jitted kernels (one lax.scan over a
 block's batches; decoding in segments), then loglikelihood, loglikelihood_rolling and
 generate_until, named as lm-evaluation-harness names them:
 - loglikelihood: the log-probability of a continuation given a context (token ids);
@@ -36,23 +36,13 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+import fast
 import gpt
 
 
 class RequestError(ValueError):
     """A request or batch that cannot be run as asked (longer than the context, larger than
     memory): the caller's input, reported as such, not a bug."""
-
-
-class PlanError(RuntimeError):
-    """A size the fast path planned that does not hold (a bug, never the input): raised
-    where the size is made, naming a request of the document it concerns, so that it ends
-    as one line, not as a broadcast error deep in numpy or a silently wrong score."""
-
-
-def check_plan(holds: bool, doc: int, what: str) -> None:
-    if not holds:
-        raise PlanError(f"internal error at document {doc}: {what}; please report it with the input")
 
 
 # The lowest sampling temperature besides 0 (greedy): logits / T overflows float32 long before
@@ -184,219 +174,6 @@ def cut_at_stop(text: str, stops: Sequence[str]) -> str:
     return text[:cut]
 
 
-# ----------------------------------------------------------------------------- shared contexts
-# Multiple choice asks for one context with several continuations (MMLU's " A" ... " D",
-# hellaswag's four endings), and few-shot prompts begin alike (MMLU 5-shot: the same five
-# examples before every question of a subject). So consecutive requests share rows: one row
-# holds a prefix its contexts have in common, then each context's own tokens, each followed
-# by the input tokens of its continuations (all but their last). Every token keeps the
-# position it has alone and sees what it sees alone, the prefix and its own context and
-# continuation, never another's (packed_allowed): the scores are those of each request
-# alone. A continuation's first token is predicted at its context's last position, so
-# one-token continuations add nothing to the row: one pass answers them all.
-#
-# Why one packed row, not the shared tokens prefilled once into a KV cache and the rest
-# extended from it: a packed row is one sequence like any other, so it goes through the same
-# sorted, fixed-shape blocks and one kernel; the cache way needs a second kernel, caches
-# copied per continuation and a schedule in two dimensions. What packing gives up: a packed
-# block attends through an explicit mask, not the fused causal kernel (cuDNN on a GPU), and
-# its rows are longer; blocks with nothing packed still take the fused kernel.
-
-PACK_EXTRA = 512  # a packed row is at most this many tokens longer than its longest request alone
-
-
-class Pack(NamedTuple):
-    """Requests scored in one row (see pack_requests): the row's tokens, the position of
-    each, its segment (0; i: the i-th of several packs that share a row, see fill_rows),
-    branch (0: the shared prefix; q: the q-th context's own tokens and its continuations')
-    and leaf (0: the context's own tokens; k: its k-th continuation's), and each scored
-    token as (index of the row token that predicts it, target, request)."""
-
-    requests: List[Request]
-    tokens: List[int]
-    positions: List[int]
-    segments: List[int]
-    branches: List[int]
-    leaves: List[int]
-    scored: List[Tuple[int, int, int]]
-
-
-class Context(NamedTuple):
-    """One context of a pack: its tokens after the shared prefix, and its requests, each
-    with its continuation's input tokens."""
-
-    own: List[int]
-    members: List[Tuple[Request, List[int]]]
-
-
-def split_request(r: Request, max_len: int) -> Tuple[List[int], List[int]]:
-    """(the context as the request sees it, its continuation's input tokens). Alone, a
-    request runs the last max_len + 1 tokens of context + continuation minus the last one,
-    and its continuation is scored at the last len(continuation) predictions: that row is
-    these two lists joined. A request cut from the left sees a shorter context."""
-    row = (r.context + r.continuation)[-(max_len + 1):][:-1]
-    tail = max(len(r.continuation) - 1, 0)
-    return row[:len(row) - tail], row[len(row) - tail:]
-
-
-def make_pack(prefix: List[int], contexts: List[Context]) -> Pack:
-    tokens, positions, branches, leaves = list(prefix), list(range(len(prefix))), [0] * len(prefix), [0] * len(prefix)
-    requests: List[Request] = []
-    scored: List[Tuple[int, int, int]] = []
-
-    def add(ids: List[int], start: int, branch: int, leaf: int) -> None:
-        tokens.extend(ids)
-        positions.extend(range(start, start + len(ids)))
-        branches.extend([branch] * len(ids))
-        leaves.extend([leaf] * len(ids))
-
-    for q, context in enumerate(contexts, 1):
-        add(context.own, len(prefix), q, 0)
-        # the context's last token: its own last one, or the prefix's where the context is the
-        # prefix alone (not the row's last token so far, another context's)
-        last = len(tokens) - 1 if context.own else len(prefix) - 1
-        start = len(prefix) + len(context.own)
-        for k, (r, tail) in enumerate(context.members, 1):
-            predictors = [last] + list(range(len(tokens), len(tokens) + len(tail)))
-            scored += [(where, target, len(requests)) for where, target in zip(predictors, r.continuation)]
-            requests.append(r)
-            add(tail, start, q, k)
-    return Pack(requests, tokens, positions, [0] * len(tokens), branches, leaves, scored)
-
-
-def joined(prefix: List[int], contexts: List[Context], seen: List[int], member: Tuple[Request, List[int]],
-           longest: int, max_len: int) -> Optional[Tuple[List[int], List[Context]]]:
-    """(prefix, contexts) with one more request, whose context is `seen`, or None where it
-    does not join them: it shares its whole context with the last one, or a prefix of at
-    least as many tokens as it adds (with one context so far, the prefix is theirs in
-    common). One token is no prefix: it is BOS alone (the first rolling window of every
-    document), and sharing it would pack whole documents to save a token. The row holds at
-    most max_len tokens and max_len scored ones, and at most PACK_EXTRA more than `longest`,
-    the longest of its requests alone: a row's attention needs memory in the square of its
-    length, and a batch that fits alone should fit packed."""
-    last = contexts[-1]
-    if seen == prefix + last.own:
-        contexts = contexts[:-1] + [Context(last.own, last.members + [member])]
-    else:
-        shared = len(prefix) if len(contexts) > 1 else common_length(prefix, seen)
-        if seen[:shared] != prefix[:shared] or shared < len(seen) - shared:
-            return None
-        if len(contexts) == 1:  # the first context's tokens beyond the common prefix become its own
-            contexts = [Context(prefix[shared:], last.members)]
-        prefix, contexts = prefix[:shared], contexts + [Context(seen[shared:], [member])]
-    size = len(prefix) + sum(len(c.own) + sum(len(t) for _, t in c.members) for c in contexts)
-    scored = sum(len(r.continuation) for c in contexts for r, _ in c.members)
-    if len(prefix) < 2 or size > min(max_len, longest + PACK_EXTRA) or scored > max_len:
-        return None
-    return prefix, contexts
-
-
-def common_length(a: List[int], b: List[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
-def pack_requests(requests: Iterable[Request], max_len: int, share: bool) -> Iterator[Pack]:
-    """Equals a request a row (simple_scored), fewer tokens: requests in order, in packs of consecutive
-    ones (see joined); with share False, a row each."""
-    prefix: List[int] = []
-    contexts: List[Context] = []
-    longest = 0  # the longest request of the pack, alone
-    for r in requests:
-        if not r.context:
-            raise RequestError("a loglikelihood request needs at least one context token (BOS, or EOS)")
-        seen, tail = split_request(r, max_len)
-        alone = len(seen) + len(tail)
-        grown = joined(prefix, contexts, seen, (r, tail), max(longest, alone), max_len) if share and contexts else None
-        if grown is not None:
-            (prefix, contexts), longest = grown, max(longest, alone)
-            continue
-        if contexts:
-            yield make_pack(prefix, contexts)
-        prefix, contexts, longest = seen, [Context([], [(r, tail)])], alone
-    if contexts:
-        yield make_pack(prefix, contexts)
-
-
-# Packs of a few short requests (hellaswag's question and four endings: 60 to 190 tokens)
-# would leave much of a block's rows padding, its longest row setting their length; so a
-# window of packs (see InferenceJob.in_blocks) first goes into rows of FILL_LENGTH tokens,
-# several packs end to end where they fit, each its own segment that sees nothing of the
-# others (packed_allowed). Rows that short attend in one block of queries either way
-# (GPT.query_block); longer packs (MMLU's 5-shot questions, a long document's windows)
-# keep a row each.
-
-FILL_LENGTH = 256
-
-
-def fill_rows(lengths: List[int], room: int) -> List[List[int]]:
-    """Equals a pack a row (fill_length 1), fewer slots: the indices of packs of these lengths in rows
-    of at most `room` tokens: longest first, each into the first row it fits (first-fit decreasing:
-    at most 11/9 of the fewest rows possible, plus one); a pack longer than `room` alone."""
-    rows: List[List[int]] = []
-    free: List[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        r = next((r for r, f in enumerate(free) if lengths[i] <= f), len(rows))
-        if r == len(rows):
-            rows.append([])
-            free.append(room)
-        rows[r].append(i)
-        free[r] -= lengths[i]
-    return rows
-
-
-def joined_packs(packs: List[Pack]) -> Pack:
-    """Packs end to end as one, the i-th in segment i."""
-    if len(packs) == 1:
-        return packs[0]
-    requests, tokens, positions, segments, branches, leaves, scored = [], [], [], [], [], [], []
-    for segment, p in enumerate(packs):
-        scored += [(where + len(tokens), target, k + len(requests)) for where, target, k in p.scored]
-        requests += p.requests
-        tokens += p.tokens
-        positions += p.positions
-        segments += [segment] * len(p.tokens)
-        branches += p.branches
-        leaves += p.leaves
-    return Pack(requests, tokens, positions, segments, branches, leaves, scored)
-
-
-def packed_allowed(segments_BT: jax.Array, branches_BT: jax.Array, leaves_BT: jax.Array) -> jax.Array:
-    """Equals each request's own causal row: which keys each query of a packed row sees [B, T, T]:
-    itself and the earlier tokens of its own segment's shared prefix (branch 0), of its own context
-    (its branch, leaf 0) and of its own continuation (its branch and leaf); padding (branch -1)
-    none."""
-    T = branches_BT.shape[1]
-    earlier_1TS = jnp.tril(jnp.ones((T, T), bool))[None]
-    same_segment = segments_BT[:, :, None] == segments_BT[:, None, :]
-    query_branch, key_branch = branches_BT[:, :, None], branches_BT[:, None, :]
-    query_leaf, key_leaf = leaves_BT[:, :, None], leaves_BT[:, None, :]
-    own_branch = (key_branch == query_branch) & ((key_leaf == 0) | (key_leaf == query_leaf))
-    return earlier_1TS & same_segment & (key_branch >= 0) & ((key_branch == 0) | own_branch)
-
-
-def scored_slots(packs: List[Pack], shares: int, per_share: int, length: int,
-                 width: int) -> Tuple[np.ndarray, ...]:
-    """The scored tokens of a block's packs, its rows taken per_share at a time (one
-    device's rows): [shares, per_share * width] each of where the token is predicted (in
-    the share's rows end to end), its target, and whose it is (the request's index in the
-    block, -1 for padding), the real ones first; and [shares] how many are real."""
-    where, targets, owner = (np.full((shares, per_share * width), fill, np.int32) for fill in (0, 0, -1))
-    counts, first = np.zeros(shares, np.int32), 0  # first: the pack's first request in the block
-    for i, p in enumerate(packs):
-        share = i // per_share
-        n = counts[share]
-        if p.scored:
-            m, (w, t, k) = len(p.scored), np.array(p.scored).T
-            check_plan(n + m <= per_share * width, p.requests[0].doc,
-                       f"{n + m} scored tokens in a share of {per_share} rows of {width} scored slots")
-            check_plan(w.max() < len(p.tokens) <= length, p.requests[0].doc,
-                       f"a pack of {len(p.tokens)} tokens scored at token {w.max()}, in rows of {length}")
-            where[share, n:n + m], targets[share, n:n + m] = (i % per_share) * length + w, t
-            owner[share, n:n + m], counts[share] = first + k, n + m
-        first += len(p.requests)
-    return where, targets, owner, counts
-
-
 # ----------------------------------------------------------------------------- stop strings
 # A row is done at EOS or once its text holds one of its stop strings; a batch stops
 # decoding when all its rows are done. Text exists only on the host, so the jitted loop
@@ -412,7 +189,7 @@ def scored_slots(packs: List[Pack], shares: int, per_share: int, length: int,
 # (InferenceJob.compact): a step reads every row's KV cache, more bytes than the weights at
 # a few hundred slots, so the tail of a batch (its last long answers) costs a few rows' worth.
 # Before that, while prompts wait, a done row takes the next one (refill, continuous
-# batching: InferenceJob.decode_queue, gpt.refill_rollout), so batches' tails overlap.
+# batching: InferenceJob.decode_queue, fast.refill_rollout), so batches' tails overlap.
 
 SEGMENT_STEPS = 8
 # A batch's prompts that begin alike (a task's fixed few-shot examples, such as gsm8k-cot's
@@ -524,6 +301,15 @@ class Progress:
             self.line()
 
 
+class BlockRun(NamedTuple):
+    """What one block ran: its real tokens, and its shape [chunks, rows, length]."""
+
+    real: int
+    chunks: int
+    rows: int
+    length: int
+
+
 class DecodeRun(NamedTuple):
     """What one decoded batch ran: its rows, the decoding steps, the steps its rows needed
     (the latest end), the token slots its prefill computed, the row-steps (rows times
@@ -537,6 +323,22 @@ class DecodeRun(NamedTuple):
     prefill: int
     row_steps: int
     cache_slots: int
+
+
+@dataclasses.dataclass
+class Counts:
+    """What a job ran, for bench.py and the tests: each block (prompts' prefills and
+    refills included) and each rollout. It records what ran and plans nothing."""
+
+    blocks: List[BlockRun] = dataclasses.field(default_factory=list)
+    rollouts: List[DecodeRun] = dataclasses.field(default_factory=list)
+
+    def block(self, real: int, chunks: int, rows: int, length: int) -> None:
+        self.blocks.append(BlockRun(int(real), chunks, rows, length))
+
+    def clear(self) -> None:
+        self.blocks.clear()
+        self.rollouts.clear()
 
 
 class Queue:
@@ -580,15 +382,13 @@ class InferenceJob:
     window as one rollout of batch_size rows whose done rows take the waiting prompts
     (decode_queue).
 
-    What ran is counted, for benchmarks and tests: blocks_run (real tokens, chunks, rows,
-    length) per block, prompts' prefills included; rollouts_run (rows, decoding steps run,
-    steps its rows needed, token slots its prefills computed, row-steps, cache slots a step
-    reads) per rollout (DecodeRun).
+    What ran is counted in `counts` (Counts), for benchmarks and tests: each block's shape
+    and real tokens, each rollout's rows, steps and slots.
     """
 
     def __init__(self, model: gpt.GPT, variables: Any, tokenizer: Tokenizer, mesh: jax.sharding.Mesh,
                  batch_size: int = 8, chunks: int = 16, seed: int = 0, quiet: bool = False,
-                 share_contexts: bool = True, simple: bool = False, fill_length: int = FILL_LENGTH,
+                 share_contexts: bool = True, simple: bool = False, fill_length: int = fast.FILL_LENGTH,
                  refill: bool = True, shared_prefix_step: int = SHARED_PREFIX_STEP,
                  segment_steps: int = SEGMENT_STEPS, unembed_piece: int = UNEMBED_PIECE):
         """`variables` are the model's parameters placed on `mesh` (gpt.init_params or
@@ -616,8 +416,7 @@ class InferenceJob:
         self._score = jax.jit(self._score_block, out_shardings=self.replicated)
         self._take_rows = jax.jit(self.take_rows)
         self._generators: Dict[Tuple, Tuple[Callable, Callable]] = {}
-        self.blocks_run: List[Tuple[int, int, int, int]] = []
-        self.rollouts_run: List[DecodeRun] = []
+        self.counts = Counts()
         self.report: Optional[Progress] = None
         self.recorder: Optional[Recorder] = None  # a run's journal, which the finished windows go to
         self.scope = ""  # what the calls are for (an evaluation's name): with a count, a call's name
@@ -691,7 +490,7 @@ class InferenceJob:
             with jax.set_mesh(self.mesh):  # traced under the mesh: gpt.rows_at_a_time reads it
                 out = self._simple_score(self.variables, self.put(tokens, 0), self.put(targets, 0))
             logprob, correct = (np.asarray(o) for o in out)
-            self.blocks_run.append((int(mask.sum()), 1, B, T))
+            self.counts.block(mask.sum(), 1, B, T)
             self.advance(len({r.doc for r in batch} - {last_doc}), int(mask.sum()))  # a document's windows run on
             last_doc = batch[-1].doc
             for b, (r, row) in enumerate(zip(batch, rows)):
@@ -724,7 +523,7 @@ class InferenceJob:
             with jax.set_mesh(self.mesh):
                 new = np.asarray(generate(self.variables, self.put(tokens, 0), self.put(mask, 0), self.put(ids, 0),
                                           seed))
-            self.blocks_run.append((int(mask.sum()), 1, B, room))
+            self.counts.block(mask.sum(), 1, B, room)
             for b, (r, p) in enumerate(zip(batch, prompts)):
                 out = new[b].tolist() if p else []
                 end = steps_to_end(out, self.tokenizer.eos_token_id, r.until, self.tokenizer.decode)
@@ -777,8 +576,8 @@ class InferenceJob:
                 batches[i] = (start, rows, before)
         return batches
 
-    def in_blocks(self, packs: Iterable[Pack], run_block: Callable[..., List[List[Scored]]],
-                  fill: bool) -> Iterator[List[Tuple[Pack, List[Scored]]]]:
+    def in_blocks(self, packs: Iterable[fast.Pack], run_block: Callable[..., List[List[Scored]]],
+                  fill: bool) -> Iterator[List[Tuple[fast.Pack, List[Scored]]]]:
         """Equals simple_scored's request a row, in fixed-shape blocks: each window's [(pack, its
         requests' Scored)], in pack order: the windows of SORT_WINDOW blocks' packs, each run on its
         own (run_window), so memory does not grow with the dataset. A document is reported done
@@ -795,15 +594,15 @@ class InferenceJob:
             yield list(zip(window, self.run_window(window, run_block, fill, left, not following)))
             window = following
 
-    def run_window(self, window: List[Pack], run_block: Callable[..., List[List[Scored]]], fill: bool,
+    def run_window(self, window: List[fast.Pack], run_block: Callable[..., List[List[Scored]]], fill: bool,
                    left: Dict[int, int], last: bool) -> List[List[Scored]]:
-        """Each pack's requests' Scored: the window's packs filled into rows (fill_rows; with
+        """Each pack's requests' Scored: the window's packs filled into rows (fast.fill_rows; with
         fill False a row each), sorted by length and scheduled into blocks, each run by
         run_block(packs, chunks, rows, length, width) (at most self.chunks batches); `left`
         counts each document's requests not run yet."""
         room = min(self.fill_length, self.max_len)
-        rows = fill_rows([len(p.tokens) for p in window], room) if fill else [[i] for i in range(len(window))]
-        merged = [joined_packs([window[i] for i in row]) for row in rows]
+        rows = fast.fill_rows([len(p.tokens) for p in window], room) if fill else [[i] for i in range(len(window))]
+        merged = [fast.joined_packs([window[i] for i in row]) for row in rows]
         order = sorted(range(len(rows)), key=lambda r: -len(merged[r].tokens))
         results: List[Any] = [None] * len(window)
         sizes = [(len(merged[r].tokens), len(merged[r].scored)) for r in order]
@@ -813,7 +612,7 @@ class InferenceJob:
                 for i in rows[r]:  # the row's Scored, split back into its packs'
                     results[i], scored = scored[:len(window[i].requests)], scored[len(window[i].requests):]
             real = sum(len(merged[r].tokens) for r in picked)
-            self.blocks_run.append((real, chunks, n, shape[0]))
+            self.counts.block(real, chunks, n, shape[0])
             docs = [q.doc for r in picked for q in merged[r].requests]
             left.subtract(docs)
             self.advance(sum(left[doc] == 0 for doc in set(docs)), real)
@@ -844,7 +643,7 @@ class InferenceJob:
         """Final hidden states [B, T, D] of right-padded rows. layout None: each row one
         sequence from position 0, with no padding mask, so attention takes the fused causal
         path (gpt.attend_causal). layout (positions, segments, branches, leaves, each
-        [B, T]): packed rows, attention as packed_allowed says."""
+        [B, T]): packed rows, attention as fast.packed_allowed says."""
         if layout is None:
             causal = lambda m, idx: m.decode(m.embed(idx, True), None, True)
             return self.model.apply(variables, tokens_BT, method=causal)
@@ -853,7 +652,7 @@ class InferenceJob:
         def embed_and_decode(m, idx, pos, allowed):
             return m.decode(m.embed(idx, True, positions=pos), None, True, positions=pos, allowed=allowed)
 
-        allowed_BTT = packed_allowed(segments_BT, branches_BT, leaves_BT)
+        allowed_BTT = fast.packed_allowed(segments_BT, branches_BT, leaves_BT)
         return self.model.apply(variables, tokens_BT, positions_BT, allowed_BTT, method=embed_and_decode)
 
     def token_scores(self, variables: Any, x_GMD: jax.Array, targets_GM: jax.Array,
@@ -911,27 +710,27 @@ class InferenceJob:
 
     def _generator(self, n_new: int, temperature: float, top_p: float) -> Tuple[Callable, Callable, Callable]:
         """(start, advance, refill), jitted once per decoding setting: start prefills a batch
-        [batch, prompt_len] (gpt.start_rollout); advance marks the rows the host found done
-        and decodes up to segment_steps more tokens (gpt.continue_rollout), its rollout
+        [batch, prompt_len] (fast.start_rollout); advance marks the rows the host found done
+        and decodes up to segment_steps more tokens (fast.continue_rollout), its rollout
         donated so the cache is updated in place, and returns the tokens so far and each
         row's count of them, replicated; refill gives a done row a new prompt
-        (gpt.refill_rollout), the rollout donated too."""
+        (fast.refill_rollout), the rollout donated too."""
         key = (n_new, temperature, top_p)
         if key not in self._generators:
             eos, keys = self.tokenizer.eos_token_id, sample_keys
 
             def start(variables, prompts_BP, mask_BP, ids_B, seed, prefix_1Q):
-                return gpt.start_rollout(self.model, variables, prompts_BP, mask_BP, n_new, eos, temperature, top_p,
+                return fast.start_rollout(self.model, variables, prompts_BP, mask_BP, n_new, eos, temperature, top_p,
                                          keys(ids_B, seed), prefix_1Q)
 
             def advance(variables, rollout, stopped_B, ids_B, seed):
                 rollout = rollout._replace(done_B=rollout.done_B | stopped_B)
-                rollout = gpt.continue_rollout(self.model, variables, rollout, self.segment_steps, eos, temperature,
+                rollout = fast.continue_rollout(self.model, variables, rollout, self.segment_steps, eos, temperature,
                                                top_p, keys(ids_B, seed))
                 return rollout, rollout.out_BN, rollout.written_B, rollout.finite_B
 
             def refill(variables, rollout, row, prompt_1P, mask_1P, id_1, seed):
-                return gpt.refill_rollout(self.model, variables, rollout, row, prompt_1P, mask_1P, eos, temperature,
+                return fast.refill_rollout(self.model, variables, rollout, row, prompt_1P, mask_1P, eos, temperature,
                                           top_p, keys(id_1, seed))
 
             replicated = (self.replicated,) * 3
@@ -975,11 +774,13 @@ class InferenceJob:
     def loglikelihood(self, requests: Iterable[Request], keep_rows: bool = False) -> Iterator[Tuple[Request, Scored]]:
         """(request, its Scored) for each request, in order. A request alone runs the last
         max_len + 1 tokens of context + continuation, minus the last one, and its continuation
-        is scored; consecutive requests that see the same context share a row (pack_requests),
-        and short packs fill rows (fill_rows) unless rows are kept (keep_rows), so that a kept
+        is scored; consecutive requests that see the same context share a row (fast.pack_requests),
+        and short packs fill rows (fast.fill_rows) unless rows are kept (keep_rows), so that a kept
         row holds its own pack alone."""
         def checked(requests: Iterable[Request]) -> Iterator[Request]:
             for r in requests:
+                if not r.context:
+                    raise RequestError("a loglikelihood request needs at least one context token (BOS, or EOS)")
                 if len(r.continuation) > self.max_len:
                     raise RequestError(f"a continuation of {len(r.continuation)} tokens does not fit "
                                        f"the context of {self.max_len}")
@@ -996,25 +797,25 @@ class InferenceJob:
             return
         kept, requests = self.replayed(call, iter(requests), (), Scored)
         yield from kept
-        packs = pack_requests(requests, self.max_len, self.share_contexts)
+        packs = fast.pack_requests(requests, self.max_len, self.share_contexts)
         for window in self.in_blocks(packs, lambda *block: self.score_packs(*block, keep_rows=keep_rows),
                                      fill=self.share_contexts and not keep_rows):
             yield from self.finished(call, (), [pair for pack, scored in window for pair in zip(pack.requests, scored)])
 
-    def score_packs(self, packs: List[Pack], chunks: int, rows: int, length: int, width: int,
+    def score_packs(self, packs: List[fast.Pack], chunks: int, rows: int, length: int, width: int,
                     keep_rows: bool) -> List[List[Scored]]:
         """Equals simple_score for each pack's requests: one block of packs [chunks, rows, length],
         `width` scored slots per row: each pack's requests' Scored. A block with nothing packed runs
         plain causal rows."""
         n, packed = chunks * rows, any(len(p.requests) > 1 for p in packs)
-        check_plan(len(packs) <= n, packs[-1].requests[0].doc, f"{len(packs)} packs in a block of {n} rows")
+        fast.check_plan(len(packs) <= n, packs[-1].requests[0].doc, f"{len(packs)} packs in a block of {n} rows")
         # cuDNN's fused attention (no [T, S] scores in memory) runs only unpacked rows without a
         # soft-cap; else queries go in blocks of the model's query_block (gpt.attend_causal)
         fused = gpt.uses_cudnn(self.model.adtype) and self.model.attn_softcap is None and not packed
         self.check_memory(rows, length, width, 0 if fused else min(length, self.model.query_block))
         tokens, mask = self.pad([p.tokens for p in packs], length, n, left=False)
         per_share = rows // self.dp
-        where, targets, owner, real_per_share = scored_slots(packs, chunks * self.dp, per_share, length, width)
+        where, targets, owner, real_per_share = fast.scored_slots(packs, chunks * self.dp, per_share, length, width)
         most_real = self.put_whole(real_per_share.reshape(chunks, self.dp).max(1))  # the unembedding loop's length
         layout = self.packed_layout(packs, chunks, rows, length) if packed else None
         with jax.set_mesh(self.mesh):  # traced under the mesh: gpt.rows_at_a_time reads it
@@ -1028,7 +829,7 @@ class InferenceJob:
         return [[dataclasses.replace(next(scored), row=(tokens[i], mask[i]) if keep_rows else None)
                  for _ in p.requests] for i, p in enumerate(packs)]
 
-    def packed_layout(self, packs: List[Pack], chunks: int, rows: int, length: int) -> Tuple[jax.Array, ...]:
+    def packed_layout(self, packs: List[fast.Pack], chunks: int, rows: int, length: int) -> Tuple[jax.Array, ...]:
         """(positions, segments, branches, leaves) of a block's packed rows [chunks, rows,
         length] on the mesh; padding is branch -1."""
         n = chunks * rows
@@ -1094,13 +895,13 @@ class InferenceJob:
             rollout = start(self.variables, self.put(d.tokens[:d.rows], 0), self.put(d.mask[:d.rows], 0), ids_B, seed,
                             prefix_1Q)
         prefilled = sum(map(len, d.prompts[:d.rows]))
-        self.blocks_run.append((prefilled, 1, d.rows, d.length))
+        self.counts.block(prefilled, 1, d.rows, d.length)
         self.advance(0, prefilled)
         while (d.owner >= 0).any():
             if d.waiting == len(queue):
                 rollout, ids_B, d.owner = self.compact(rollout, ids_B, d.owner)
             rollout, ids_B = self.decode_segment(advance, refill, rollout, ids_B, d, n_new, seed)
-        self.rollouts_run.append(d.counted(n_new))
+        self.counts.rollouts.append(d.counted(n_new))
         return [self.generation(r, d.news[i], d.ends[i], len(r.prompt) > room,
                                 rollout_row(d.tokens[i], d.mask[i], d.news[i][:d.ends[i]], n_new) if keep_rows else None)
                 for i, r in enumerate(queue)]
@@ -1115,7 +916,7 @@ class InferenceJob:
         length = padded_length(len(prompts[0]), room)
         rows = min(self.batch_size, -(-len(queue) // self.dp) * self.dp)
         for r, p in zip(queue, prompts):  # each prompt, a first row's or a refill's, fits its row's cache slots
-            check_plan(len(p) <= length and p[:len(prefix)] == prefix, r.doc, f"a prompt of {len(p)} tokens in "
+            fast.check_plan(len(p) <= length and p[:len(prefix)] == prefix, r.doc, f"a prompt of {len(p)} tokens in "
                        f"{length} cache slots, after a shared prefix of {len(prefix)}")
         self.check_memory(rows, length + n_new, 1, length)  # after a shared prefix, over the cache whole
         tokens, mask = self.pad([p[len(prefix):] for p in prompts], length - len(prefix), max(rows, len(queue)), True)
@@ -1158,12 +959,12 @@ class InferenceJob:
 
     def refill_row(self, refill: Callable, rollout: Any, row: int, d: "Queue", seed: int) -> Any:
         """The rollout with this row decoding the next waiting prompt (left-padded, the shared
-        prefix left out) from the next step on: gpt.refill_rollout, its rollout donated; the
+        prefix left out) from the next step on: fast.refill_rollout, its rollout donated; the
         prompt's sampling key is its document's, as in a batch of its own."""
         w, doc = d.waiting, d.requests[d.waiting].doc
         rollout = refill(self.variables, rollout, self.put_whole(np.array(row, np.int32)),
                          *(self.put_whole(a[None]) for a in (d.tokens[w], d.mask[w], np.array(doc, np.int32))), seed)
-        self.blocks_run.append((len(d.prompts[w]), 1, 1, d.length))
+        self.counts.block(len(d.prompts[w]), 1, 1, d.length)
         self.advance(0, len(d.prompts[w]))
         d.owner[row], d.ids[row], d.began[w], d.waiting = w, doc, d.step, w + 1
         return rollout
@@ -1178,7 +979,7 @@ class InferenceJob:
             return []
         common = max(min(len(p) for p in prompts) - 1, 0)  # an empty prompt shares nothing
         for p in prompts[1:]:
-            common = min(common, common_length(prompts[0], p))
+            common = min(common, fast.common_length(prompts[0], p))
         return prompts[0][:common // self.shared_prefix_step * self.shared_prefix_step]
 
     def compact(self, rollout: Any, ids_B: jax.Array, owner: np.ndarray) -> Tuple[Any, jax.Array, np.ndarray]:

@@ -63,6 +63,7 @@ jax.config.update("jax_numpy_rank_promotion", "raise")  # broadcasting must be e
 import bench as bench_module
 import checkpoints
 import evaluate
+import fast
 import gpt
 import hf
 import inference
@@ -314,7 +315,7 @@ def test_extend_after_a_shared_prefix_equals_full_forward(name):
 
 @pytest.mark.parametrize("name", ["llama", "everything"])
 def test_a_refilled_row_decodes_as_its_prompt_alone(name):
-    """gpt.refill_rollout: a row given a new prompt in the middle of a rollout, its keys and
+    """fast.refill_rollout: a row given a new prompt in the middle of a rollout, its keys and
     values written into the ring of slots its old tokens held (its new tokens going on past
     the last slot round to the first), decodes the tokens its prompt gives alone
     (gpt.generate), and the other row goes on unchanged; with EVERYTHING's sliding window
@@ -325,10 +326,10 @@ def test_a_refilled_row_decodes_as_its_prompt_alone(name):
     new_idx, new_mask = tokens((1, idx.shape[1]), seed=7), np.arange(idx.shape[1])[None] >= 2
     N = 2 * STEPS
     alone = lambda x, m: np.asarray(jax.jit(lambda v: gpt.generate(model, v, x, m, N))(variables))
-    rollout = gpt.start_rollout(model, variables, idx, mask, N)
-    rollout = gpt.continue_rollout(model, variables, rollout, 3)
-    rollout = gpt.refill_rollout(model, variables, rollout, jnp.int32(0), new_idx, new_mask)
-    rollout = gpt.continue_rollout(model, variables, rollout, N)
+    rollout = fast.start_rollout(model, variables, idx, mask, N)
+    rollout = fast.continue_rollout(model, variables, rollout, 3)
+    rollout = fast.refill_rollout(model, variables, rollout, jnp.int32(0), new_idx, new_mask)
+    rollout = fast.continue_rollout(model, variables, rollout, N)
     out = np.asarray(rollout.out_BN)
     np.testing.assert_array_equal(out[0], alone(new_idx, new_mask)[0])
     np.testing.assert_array_equal(out[1], alone(idx, mask)[1])
@@ -797,12 +798,12 @@ def test_ragged_documents_waste_little_on_padding():
     docs = [{"text": "".join(rng.choice(list("abcdefgh "), n))} for n in rng.integers(128, 512, 64)]
     ev = evaluator((model, host), [], batch_size=8, chunks=4)
     result = evaluate.PerplexityEvaluation("ragged", docs).result(ev, ev.tokenizer)
-    real = sum(r for r, _, _, _ in ev.blocks_run)
-    slots = sum(c * b * t for _, c, b, t in ev.blocks_run)
-    shapes = {(c, b, t) for _, c, b, t in ev.blocks_run}
-    print(f"ragged: {real / slots:.3f} of {slots} slots real, {len(ev.blocks_run)} blocks, {len(shapes)} shapes")
+    real = sum(r for r, _, _, _ in ev.counts.blocks)
+    slots = sum(c * b * t for _, c, b, t in ev.counts.blocks)
+    shapes = {(c, b, t) for _, c, b, t in ev.counts.blocks}
+    print(f"ragged: {real / slots:.3f} of {slots} slots real, {len(ev.counts.blocks)} blocks, {len(shapes)} shapes")
     assert real == sum(len(d["text"]) for d in docs) and real / slots >= 0.85
-    assert len(shapes) <= 5 and all(b == 8 for _, _, b, _ in ev.blocks_run)  # 64 = 8 full batches
+    assert len(shapes) <= 5 and all(b == 8 for _, _, b, _ in ev.counts.blocks)  # 64 = 8 full batches
     assert result.metrics["tokens"] == real
 
 
@@ -831,7 +832,7 @@ def scored(small, share, mesh=(1, 1), batch=4):
     """Each SHARED request's Scored, and the blocks run, with contexts shared or not."""
     ev = evaluator(small, [], mesh=mesh, batch_size=batch)
     ev.share_contexts = share
-    return [s for _, s in ev.loglikelihood(shared_requests(small))], ev.blocks_run
+    return [s for _, s in ev.loglikelihood(shared_requests(small))], ev.counts.blocks
 
 
 def test_shared_contexts_score_as_alone_with_less_work(small):
@@ -840,7 +841,7 @@ def test_shared_contexts_score_as_alone_with_less_work(small):
     choices add nothing to the context's row; a choice cut from the left sees another
     context; contexts that begin alike share their prefix; a row holds at most block_size
     tokens."""
-    packs = list(inference.pack_requests(shared_requests(small), SMALL["block_size"], True))
+    packs = list(fast.pack_requests(shared_requests(small), SMALL["block_size"], True))
     assert [len(p.requests) for p in packs] == [4, 5, 2, 1, 1, 2, 4]
     assert packs[0].tokens == list(SHARED[0]["context"].encode()) and len(packs[0].scored) == 4
     prefix = len("Shots: 1+1=2, 2+2=4, 3+3=6. Q: ")
@@ -865,15 +866,15 @@ def test_short_packs_fill_rows_and_score_as_alone(small, monkeypatch):
     tokens, each pack its own segment that sees nothing of the others: every log-likelihood
     and is_greedy as with a row each (FILL_LENGTH 1), on 1x1 and 4x2, in fewer token slots,
     with rows that hold several packs."""
-    assert inference.fill_rows([5, 9, 3, 7, 12, 2], 12) == [[4], [1, 2], [3, 0], [5]]
-    assert inference.fill_rows([20, 3], 12) == [[0], [1]]  # longer than a row: alone
+    assert fast.fill_rows([5, 9, 3, 7, 12, 2], 12) == [[4], [1, 2], [3, 0], [5]]
+    assert fast.fill_rows([20, 3], 12) == [[0], [1]]  # longer than a row: alone
     rng = np.random.default_rng(0)
     text = lambda lo, hi: "".join(rng.choice(list("abcdefgh "), rng.integers(lo, hi)))
     contexts = [list(text(4, 24).encode()) for _ in range(24)]
     choice = lambda context, k: list(text(1, 6).encode()) if k else greedy_by_recompute(*small, context, 2)
     requests = [inference.Request(doc, context, choice(context, k))
                 for doc, context in enumerate(contexts) for k in range(rng.integers(1, 4))]
-    fill, score_packs, segments = inference.FILL_LENGTH, inference.InferenceJob.score_packs, []
+    fill, score_packs, segments = fast.FILL_LENGTH, inference.InferenceJob.score_packs, []
     model, host = small
 
     def counting_segments(self, packs, *args, **kwargs):  # the most packs a block's rows hold, less one
@@ -887,7 +888,7 @@ def test_short_packs_fill_rows_and_score_as_alone(small, monkeypatch):
         ev = inference.InferenceJob(model, gpt.place_params(model, mesh_of(*mesh), host), jobs.ByteTokenizer(),
                                     mesh_of(*mesh), batch_size=batch, quiet=True, fill_length=fill_length)
         results = [s for _, s in ev.loglikelihood(requests)]
-        return results, sum(c * b * t for _, c, b, t in ev.blocks_run), max(segments) + 1
+        return results, sum(c * b * t for _, c, b, t in ev.counts.blocks), max(segments) + 1
 
     for mesh, batch in [((1, 1), 4), ((4, 2), 8)]:
         (filled, filled_slots, most), (alone, alone_slots, one) = (scored(mesh, batch, n) for n in (fill, 1))
@@ -1002,8 +1003,8 @@ def test_stop_strings_end_decoding_early_with_the_same_texts(small, tokenizer, m
                                                  enumerate(zip(prompts, stops))], N)]
         assert [g.text for g in cut] == [inference.cut_at_stop(g.text, [s]) for g, s in zip(full, stops)]
         assert [g.tokens for g in cut] == [g.tokens[:k] for g, k in zip(full, ends)]
-        assert all(0 <= r.steps - r.needed < inference.SEGMENT_STEPS for r in job.rollouts_run)
-        runs[refill] = list(job.rollouts_run)
+        assert all(0 <= r.steps - r.needed < inference.SEGMENT_STEPS for r in job.counts.rollouts)
+        runs[refill] = list(job.counts.rollouts)
     needed = [max(ends[:4]), max(ends[4:])]
     assert [(r.rows, r.needed) for r in runs[False]] == [(4, needed[0]), (2, needed[1])]
     (refilled,) = runs[True]  # prompts 4 and 5 go into rows that ended, from the segment after
@@ -1032,7 +1033,7 @@ def test_done_rows_take_waiting_prompts(small, batch, shard, monkeypatch):
                                      refill=refill)
         greedy = [(g.text, g.tokens) for _, g in job.generate_until(requests, N)]
         sampled = [(g.text, g.tokens) for _, g in job.generate_until(requests, N, temperature=0.8, seed=5)]
-        runs[refill] = (greedy, sampled, list(job.rollouts_run))
+        runs[refill] = (greedy, sampled, list(job.counts.rollouts))
     assert runs[True][:2] == runs[False][:2] and len({t for t, _ in runs[True][0]}) > 6
     batches, (greedy_run, _) = runs[False][2], runs[True][2]
     assert len(batches) == 6 and greedy_run.rows == 4 and greedy_run.steps < sum(r.steps for r in batches[:3])
@@ -1067,7 +1068,7 @@ def test_done_rows_are_dropped_between_segments(small, batch, shard, monkeypatch
     requests = [inference.GenerationRequest(i, p, (s,)) for i, (p, s) in enumerate(zip(prompts, stops))]
     sampled = lambda: [g.tokens for _, g in job.generate_until(requests, N, temperature=1.0, seed=5)]
     dropped_sampled = sampled()
-    job.rollouts_run.clear()
+    job.counts.rollouts.clear()
     dropped = [g for _, g in job.generate_until(requests, N)]
     monkeypatch.setattr(inference.InferenceJob, "compact", lambda self, rollout, ids_B, owner: (rollout, ids_B, owner))
     kept = [g for _, g in job.generate_until(requests, N)]
@@ -1076,7 +1077,7 @@ def test_done_rows_are_dropped_between_segments(small, batch, shard, monkeypatch
     ends = sorted(next(k for k in range(1, N + 1) if s in job.tokenizer.decode(g.tokens[:k]))
                   for g, s in zip(full, stops))
     early = -(-ends[-2] // inference.SEGMENT_STEPS) * inference.SEGMENT_STEPS  # when one row is left
-    (run, whole) = job.rollouts_run[:2]
+    (run, whole) = job.counts.rollouts[:2]
     assert early < 32 < ends[-1] and run.steps == whole.steps and whole.row_steps == 16 * whole.steps
     assert run.row_steps <= 16 * early + 4 * (run.steps - early) < whole.row_steps
 
@@ -1104,7 +1105,7 @@ def test_generation_computes_a_shared_prompt_prefix_once(small, batch, shard, mo
     shared, whole = ([g.tokens for _, g in j.generate_until(requests, 12)] for j in by_step)
     assert by_step[0].shared_prefix(prompts[:4]) == shots[:24] == by_step[0].shared_prefix(prompts[4:])
     assert shared == whole and all(len(t) == 12 for t in shared)
-    (run,), (alone,) = (j.rollouts_run for j in by_step)  # one rollout each: prompts 4 and 5 take rows that are done
+    (run,), (alone,) = (j.counts.rollouts for j in by_step)  # one rollout each: prompts 4 and 5 take rows that are done
     length = alone.prefill // len(prompts)  # the padded prompt length
     assert run.prefill == 24 + len(prompts) * (length - 24) < alone.prefill
     assert run.cache_slots == 24 + run.rows * (length - 24 + 12) < alone.cache_slots == run.rows * (length + 12)
@@ -1116,7 +1117,7 @@ def test_generation_computes_a_shared_prompt_prefix_once(small, batch, shard, mo
 
     def texts_and_runs(step: int):
         sixteen = job(16, step, segment_steps=2)
-        return [g.text for _, g in sixteen.generate_until(stops, 12)], sixteen.rollouts_run
+        return [g.text for _, g in sixteen.generate_until(stops, 12)], sixteen.counts.rollouts
 
     (shared_texts, runs), (whole_texts, _) = texts_and_runs(8), texts_and_runs(1000)
     assert shared_texts == whole_texts and any(r.row_steps < r.rows * r.steps for r in runs)
@@ -1384,9 +1385,9 @@ PREFIX_ALONE = [inference.Request(0, list(b"Q: 1+1=2. Q: 3+3="), list(b"6")),
 
 @fuzz_settings(10)
 @hypothesis.given(requests=loglikelihood_requests(), mesh=st.sampled_from(FUZZ_MESHES), batch=st.integers(1, 17),
-                  chunks=st.sampled_from([1, 16]), fill=st.sampled_from([inference.FILL_LENGTH, 24, 1]))
-@hypothesis.example(requests=SIX_HELLOS, mesh=(1, 1), batch=4, chunks=16, fill=inference.FILL_LENGTH)
-@hypothesis.example(requests=PREFIX_ALONE, mesh=(1, 1), batch=4, chunks=16, fill=inference.FILL_LENGTH)
+                  chunks=st.sampled_from([1, 16]), fill=st.sampled_from([fast.FILL_LENGTH, 24, 1]))
+@hypothesis.example(requests=SIX_HELLOS, mesh=(1, 1), batch=4, chunks=16, fill=fast.FILL_LENGTH)
+@hypothesis.example(requests=PREFIX_ALONE, mesh=(1, 1), batch=4, chunks=16, fill=fast.FILL_LENGTH)
 def test_loglikelihood_equals_a_request_a_row(fuzz, requests, mesh, batch, chunks, fill):
     """loglikelihood on any mesh, batch size and chunking, with packing, shared prefixes and
     row filling (rows of `fill` tokens), scores every request as the simple path does."""
@@ -1703,7 +1704,7 @@ def test_exit_status_gives_back_the_callers_signal_handlers(capsys):
         sys.unraisablehook = hook
 
 
-PROJECT_FILES = {"gpt": 0, "inference": 1, "jobs": 1, "checkpoints": 2, "hf": 3, "runs": 3, "tasks": 4,
+PROJECT_FILES = {"gpt": 0, "fast": 1, "jobs": 1, "inference": 2, "checkpoints": 2, "hf": 3, "runs": 3, "tasks": 4,
                  "evaluate": 5, "train": 6, "bench": 6}  # import order
 
 
@@ -1737,15 +1738,18 @@ def test_readme_python_example_runs_as_shown(capsys):
 
 
 def test_imports_flow_one_way_and_sit_at_the_top():
-    """gpt.py <- inference.py, jobs.py <- checkpoints.py <- hf.py, runs.py <- tasks.py <-
+    """gpt.py <- fast.py, jobs.py <- inference.py, checkpoints.py <- hf.py, runs.py <- tasks.py <-
     evaluate.py <- train.py, bench.py: each file imports only files before it, and only at
-    module level (no import inside a function); inference.py and jobs.py do not import each
-    other, nor hf.py and runs.py. Every file is in the README's table."""
+    module level (no import inside a function); fast.py and jobs.py do not import each other,
+    nor inference.py and checkpoints.py, nor hf.py and runs.py. A type-only import (under `if
+    TYPE_CHECKING:`, never run) may name a later file's type. Every file is in the README's table."""
     table = re.findall(r"^\| `(\w+)\.py` \|", (ROOT / "README.md").read_text(), re.M)
     assert sorted(table) == sorted([*PROJECT_FILES, "test_all"]) == sorted(p.stem for p in ROOT.glob("*.py"))
     for name, rank in PROJECT_FILES.items():
         tree = ast.parse((ROOT / f"{name}.py").read_text())
-        for node in ast.walk(tree):
+        type_only = {id(n) for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
+                     for n in ast.walk(node)}
+        for node in (n for n in ast.walk(tree) if id(n) not in type_only):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 inner = [ast.unparse(n) for n in ast.walk(node) if isinstance(n, (ast.Import, ast.ImportFrom))]
                 assert not inner, f"{name}.py: {node.name} imports {inner}"
@@ -3714,6 +3718,7 @@ def test_a_gpu_report_part_out_of_time_is_stopped_with_what_it_started():
 COUNT_COMPILES = r"""
 import json, sys, jax
 import evaluate
+import fast
 counts = {"compiled": 0, "loaded": 0}
 
 def on_duration(event, seconds, **meta):  # a program loaded from the cache is reported here too
@@ -4394,7 +4399,7 @@ def test_the_journal_changes_no_block_a_run_executes(ckpt, tmp_path, monkeypatch
     monkeypatch.setenv("GPT_EVAL_JOURNAL", "0")
     unjournaled, _, _ = job("off")
     unjournaled.run()
-    runs = [(j.blocks_run, j.rollouts_run) for j in (journaled, alone, unjournaled)]
+    runs = [(j.counts.blocks, j.counts.rollouts) for j in (journaled, alone, unjournaled)]
     assert runs[0] == runs[1] == runs[2] and len(runs[0][0]) >= 12 and len(runs[0][1]) >= 3
     assert results_of(tmp_path / "run") == results_of(tmp_path / "off")
 
@@ -5230,6 +5235,7 @@ def test_a_run_reads_what_it_checked_and_writes_only_its_out(ckpt, hf_gpt2, tmp_
 SIGNAL_AT = r"""
 import os, signal, sys, tempfile, time
 import evaluate
+import fast
 where, flag, args = sys.argv[1], sys.argv[2], sys.argv[3:]
 mkstemp, replace = tempfile.mkstemp, os.replace
 
