@@ -835,6 +835,17 @@ def scored(small, share, mesh=(1, 1), batch=4):
     return [s for _, s in ev.loglikelihood(shared_requests(small))], ev.counts.blocks
 
 
+def test_a_request_without_context_is_refused_the_simple_way_and_the_fast_way(small):
+    """A continuation's first token is predicted from the context's last: a request with no
+    context token is refused in one line on both paths (the simple path scored it from a
+    wrapped slice)."""
+    for simple in (False, True):
+        ev = evaluator(small, [])
+        ev.simple = simple
+        with pytest.raises(inference.RequestError, match="at least one context token"):
+            list(ev.loglikelihood([inference.Request(0, [], [5, 6])]))
+
+
 def test_shared_contexts_score_as_alone_with_less_work(small):
     """Requests that see the same context share one row: each log-likelihood and is_greedy
     as when scored alone, on any batch size and mesh, for fewer tokens computed. One-token
