@@ -910,7 +910,7 @@ class GPT(Module):
         the keys up to each block's end), not over all S slots, most of them empty.
 
         allowed [B, T, T] (no cache) says outright which keys each query sees: several
-        sequences packed into one row, each with its own `positions` (inference.py packs the
+        sequences packed into one row, each with its own `positions` (fast.py packs the
         choices of a question after their shared context). A sliding window then counts
         positions, since a packed row's slots are not its positions.
         """
