@@ -1797,10 +1797,10 @@ print(scored.tokens, round(scored.logprob, 6), len(generation.tokens))
 '''
 
 
-def test_inference_core_works_copied_with_gpt_py(tmp_path):
-    """inference.py and gpt.py together, in an empty directory, with a tokenizer of their own:
-    a request is scored, and the log-likelihood is what the forward pass gives."""
-    for name in ("gpt.py", "inference.py"):
+def test_inference_core_works_copied_with_fast_py_and_gpt_py(tmp_path):
+    """inference.py, fast.py and gpt.py together, in an empty directory, with a tokenizer of
+    their own: a request is scored, and the log-likelihood is what the forward pass gives."""
+    for name in ("gpt.py", "fast.py", "inference.py"):
         shutil.copy(ROOT / name, tmp_path)
     (tmp_path / "use.py").write_text(INFERENCE_ALONE)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
