@@ -20,7 +20,7 @@ import numpy as np
 
 import gpt
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # inference.py imports this file: Request is named here for the annotations only
     from inference import Request
 
 

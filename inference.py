@@ -972,7 +972,7 @@ class InferenceJob:
     def shared_prefix(self, prompts: List[List[int]]) -> List[int]:
         """Equals every prompt prefilled whole, once for all rows: the first tokens all prompts of a
         rollout have in common (the few-shot examples of a task), in multiples of shared_prefix_step
-        tokens (so rollouts share one shape), each prompt keeping a token of its own: start_rollout
+        tokens (so rollouts share one shape), each prompt keeping a token of its own: fast.start_rollout
         computes them once, not per row, and the cache holds them once. Empty with a sliding window,
         which counts slots."""
         if self.model.sliding_window is not None or len(prompts) < 2:
