@@ -336,10 +336,6 @@ class Counts:
     def block(self, real: int, chunks: int, rows: int, length: int) -> None:
         self.blocks.append(BlockRun(int(real), chunks, rows, length))
 
-    def clear(self) -> None:
-        self.blocks.clear()
-        self.rollouts.clear()
-
 
 class Queue:
     """A rollout's requests (longest prompt first) and where each stands between segments
@@ -721,17 +717,17 @@ class InferenceJob:
 
             def start(variables, prompts_BP, mask_BP, ids_B, seed, prefix_1Q):
                 return fast.start_rollout(self.model, variables, prompts_BP, mask_BP, n_new, eos, temperature, top_p,
-                                         keys(ids_B, seed), prefix_1Q)
+                                          keys(ids_B, seed), prefix_1Q)
 
             def advance(variables, rollout, stopped_B, ids_B, seed):
                 rollout = rollout._replace(done_B=rollout.done_B | stopped_B)
                 rollout = fast.continue_rollout(self.model, variables, rollout, self.segment_steps, eos, temperature,
-                                               top_p, keys(ids_B, seed))
+                                                top_p, keys(ids_B, seed))
                 return rollout, rollout.out_BN, rollout.written_B, rollout.finite_B
 
             def refill(variables, rollout, row, prompt_1P, mask_1P, id_1, seed):
                 return fast.refill_rollout(self.model, variables, rollout, row, prompt_1P, mask_1P, eos, temperature,
-                                          top_p, keys(id_1, seed))
+                                           top_p, keys(id_1, seed))
 
             replicated = (self.replicated,) * 3
             self._generators[key] = (jax.jit(start), jax.jit(advance, donate_argnums=1,
@@ -917,7 +913,7 @@ class InferenceJob:
         rows = min(self.batch_size, -(-len(queue) // self.dp) * self.dp)
         for r, p in zip(queue, prompts):  # each prompt, a first row's or a refill's, fits its row's cache slots
             fast.check_plan(len(p) <= length and p[:len(prefix)] == prefix, r.doc, f"a prompt of {len(p)} tokens in "
-                       f"{length} cache slots, after a shared prefix of {len(prefix)}")
+                            f"{length} cache slots, after a shared prefix of {len(prefix)}")
         self.check_memory(rows, length + n_new, 1, length)  # after a shared prefix, over the cache whole
         tokens, mask = self.pad([p[len(prefix):] for p in prompts], length - len(prefix), max(rows, len(queue)), True)
         return Queue(queue, prompts, prefix, length, rows, tokens, mask)

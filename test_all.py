@@ -3729,7 +3729,6 @@ def test_a_gpu_report_part_out_of_time_is_stopped_with_what_it_started():
 COUNT_COMPILES = r"""
 import json, sys, jax
 import evaluate
-import fast
 counts = {"compiled": 0, "loaded": 0}
 
 def on_duration(event, seconds, **meta):  # a program loaded from the cache is reported here too
@@ -5246,7 +5245,6 @@ def test_a_run_reads_what_it_checked_and_writes_only_its_out(ckpt, hf_gpt2, tmp_
 SIGNAL_AT = r"""
 import os, signal, sys, tempfile, time
 import evaluate
-import fast
 where, flag, args = sys.argv[1], sys.argv[2], sys.argv[3:]
 mkstemp, replace = tempfile.mkstemp, os.replace
 
