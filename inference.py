@@ -572,7 +572,7 @@ class InferenceJob:
                 batches[i] = (start, rows, before)
         return batches
 
-    def in_blocks(self, packs: Iterable[fast.Pack], run_block: Callable[..., List[List[Scored]]],
+    def in_blocks(self, packs: Iterable[fast.Pack], run_block: Callable[..., Callable[[], List[List[Scored]]]],
                   fill: bool) -> Iterator[List[Tuple[fast.Pack, List[Scored]]]]:
         """Equals simple_scored's request a row, in fixed-shape blocks: each window's [(pack, its
         requests' Scored)], in pack order: the windows of SORT_WINDOW blocks' packs, each run on its
@@ -590,28 +590,41 @@ class InferenceJob:
             yield list(zip(window, self.run_window(window, run_block, fill, left, not following)))
             window = following
 
-    def run_window(self, window: List[fast.Pack], run_block: Callable[..., List[List[Scored]]], fill: bool,
-                   left: Dict[int, int], last: bool) -> List[List[Scored]]:
+    def run_window(self, window: List[fast.Pack], run_block: Callable[..., Callable[[], List[List[Scored]]]],
+                   fill: bool, left: Dict[int, int], last: bool) -> List[List[Scored]]:
         """Each pack's requests' Scored: the window's packs filled into rows (fast.fill_rows; with
-        fill False a row each), sorted by length and scheduled into blocks, each run by
-        run_block(packs, chunks, rows, length, width) (at most self.chunks batches); `left`
-        counts each document's requests not run yet."""
+        fill False a row each), sorted by length and scheduled into blocks, each started by
+        run_block(packs, chunks, rows, length, width) (at most self.chunks batches), which returns
+        the reader of its packs' Scored; `left` counts each document's requests not run yet.
+
+        Equals reading each block's results before starting the next, with one block in flight:
+        a block is read after the next one is started, so the host's packing, and the tracing
+        and compiling of a new shape, overlap the device's work (the device runs them in order)."""
         room = min(self.fill_length, self.max_len)
         rows = fast.fill_rows([len(p.tokens) for p in window], room) if fill else [[i] for i in range(len(window))]
         merged = [fast.joined_packs([window[i] for i in row]) for row in rows]
         order = sorted(range(len(rows)), key=lambda r: -len(merged[r].tokens))
         results: List[Any] = [None] * len(window)
+
+        def read(picked: List[int], reader: Callable[[], List[List[Scored]]]) -> None:
+            for r, scored in zip(picked, reader()):
+                for i in rows[r]:  # the row's Scored, split back into its packs'
+                    results[i], scored = scored[:len(window[i].requests)], scored[len(window[i].requests):]
+            docs = [q.doc for r in picked for q in merged[r].requests]
+            left.subtract(docs)
+            self.advance(sum(left[doc] == 0 for doc in set(docs)), sum(len(merged[r].tokens) for r in picked))
+
+        in_flight = None
         sizes = [(len(merged[r].tokens), len(merged[r].scored)) for r in order]
         for start, chunks, n, shape in self.schedule(sizes, self.max_len, self.chunks, last):
             picked = order[start:start + chunks * n]
-            for r, scored in zip(picked, run_block([merged[r] for r in picked], chunks, n, *shape)):
-                for i in rows[r]:  # the row's Scored, split back into its packs'
-                    results[i], scored = scored[:len(window[i].requests)], scored[len(window[i].requests):]
-            real = sum(len(merged[r].tokens) for r in picked)
-            self.counts.block(real, chunks, n, shape[0])
-            docs = [q.doc for r in picked for q in merged[r].requests]
-            left.subtract(docs)
-            self.advance(sum(left[doc] == 0 for doc in set(docs)), real)
+            started = picked, run_block([merged[r] for r in picked], chunks, n, *shape)
+            self.counts.block(sum(len(merged[r].tokens) for r in picked), chunks, n, shape[0])
+            if in_flight is not None:
+                read(*in_flight)
+            in_flight = started
+        if in_flight is not None:
+            read(*in_flight)
         return results
 
     def advance(self, documents: int, tokens: int) -> None:
@@ -799,10 +812,11 @@ class InferenceJob:
             yield from self.finished(call, (), [pair for pack, scored in window for pair in zip(pack.requests, scored)])
 
     def score_packs(self, packs: List[fast.Pack], chunks: int, rows: int, length: int, width: int,
-                    keep_rows: bool) -> List[List[Scored]]:
+                    keep_rows: bool) -> Callable[[], List[List[Scored]]]:
         """Equals simple_score for each pack's requests: one block of packs [chunks, rows, length],
-        `width` scored slots per row: each pack's requests' Scored. A block with nothing packed runs
-        plain causal rows."""
+        `width` scored slots per row, started on the devices: returns the reader of each pack's
+        requests' Scored, which waits for the block. A block with nothing packed runs plain causal
+        rows."""
         n, packed = chunks * rows, any(len(p.requests) > 1 for p in packs)
         fast.check_plan(len(packs) <= n, packs[-1].requests[0].doc, f"{len(packs)} packs in a block of {n} rows")
         # cuDNN's fused attention (no [T, S] scores in memory) runs only unpacked rows without a
@@ -817,13 +831,17 @@ class InferenceJob:
         with jax.set_mesh(self.mesh):  # traced under the mesh: gpt.rows_at_a_time reads it
             out = self._score(self.variables, self.put(tokens.reshape(chunks, rows, length)), layout,
                               *(self.put(a.reshape(chunks, self.dp, -1)) for a in (where, targets)), most_real)
-        logprob, correct = (np.asarray(o).reshape(owner.shape) for o in out)
-        real, total = owner >= 0, sum(len(p.requests) for p in packs)  # per request, summed in float64
-        logprobs, corrects, counts = (np.bincount(owner[real], weights=w, minlength=total)
-                                      for w in (logprob[real], correct[real], None))
-        scored = iter([Scored(float(lp), int(k), int(c)) for lp, c, k in zip(logprobs, corrects, counts)])
-        return [[dataclasses.replace(next(scored), row=(tokens[i], mask[i]) if keep_rows else None)
-                 for _ in p.requests] for i, p in enumerate(packs)]
+
+        def read() -> List[List[Scored]]:
+            logprob, correct = (np.asarray(o).reshape(owner.shape) for o in out)
+            real, total = owner >= 0, sum(len(p.requests) for p in packs)  # per request, summed in float64
+            logprobs, corrects, counts = (np.bincount(owner[real], weights=w, minlength=total)
+                                          for w in (logprob[real], correct[real], None))
+            scored = iter([Scored(float(lp), int(k), int(c)) for lp, c, k in zip(logprobs, corrects, counts)])
+            return [[dataclasses.replace(next(scored), row=(tokens[i], mask[i]) if keep_rows else None)
+                     for _ in p.requests] for i, p in enumerate(packs)]
+
+        return read
 
     def packed_layout(self, packs: List[fast.Pack], chunks: int, rows: int, length: int) -> Tuple[jax.Array, ...]:
         """(positions, segments, branches, leaves) of a block's packed rows [chunks, rows,

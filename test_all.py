@@ -908,6 +908,40 @@ def test_short_packs_fill_rows_and_score_as_alone(small, monkeypatch):
         assert 0 < sum(s.correct for s in alone) and filled_slots < 0.85 * alone_slots and most >= 3 and one == 1
 
 
+def test_a_block_starts_before_the_one_before_it_is_read(small, monkeypatch):
+    """run_window keeps one block in flight: within a window (16 packs here, 8 blocks of 2
+    rows), block k + 1 is started (traced, compiled, dispatched) before block k's results are
+    read, each block is read once, in order, and the scores equal a block at a time (each
+    read as soon as it starts)."""
+    model, host = small
+    rng = np.random.default_rng(1)
+    requests = [inference.Request(doc, list(rng.integers(0, 250, rng.integers(2, 60))), [int(rng.integers(0, 250))])
+                for doc in range(2 * inference.SORT_WINDOW)]
+    score_packs, events = inference.InferenceJob.score_packs, []
+
+    def logged(self, packs, *args, **kwargs):
+        block, read = len([e for e in events if e[0] == "start"]), score_packs(self, packs, *args, **kwargs)
+        events.append(("start", block))
+        return lambda: (events.append(("read", block)), read())[1]
+
+    def read_at_once(self, packs, *args, **kwargs):
+        results = score_packs(self, packs, *args, **kwargs)()
+        return lambda: results
+
+    def scored(patch):
+        monkeypatch.setattr(inference.InferenceJob, "score_packs", patch)
+        job = inference.InferenceJob(model, gpt.place_params(model, mesh_of(), host), jobs.ByteTokenizer(),
+                                     mesh_of(), batch_size=2, chunks=1, quiet=True, fill_length=1)
+        return [s for _, s in job.loglikelihood(requests)]
+
+    pipelined, at_once = scored(logged), scored(read_at_once)
+    n = len(events) // 2
+    assert n >= 4, events
+    assert events == [("start", 0)] + [e for k in range(1, n) for e in (("start", k), ("read", k - 1))] + \
+        [("read", n - 1)]
+    assert [(s.logprob, s.correct) for s in pipelined] == [(s.logprob, s.correct) for s in at_once]
+
+
 def test_scoring_unembeds_only_the_pieces_that_hold_scored_tokens(small, monkeypatch):
     """A share's scored slots are unembedded UNEMBED_PIECE at a time up to the last piece
     with a real one: the padding after it is never computed (NaN hidden states there stay
