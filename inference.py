@@ -606,20 +606,21 @@ class InferenceJob:
         order = sorted(range(len(rows)), key=lambda r: -len(merged[r].tokens))
         results: List[Any] = [None] * len(window)
 
-        def read(picked: List[int], reader: Callable[[], List[List[Scored]]]) -> None:
+        def read(picked: List[int], real: int, reader: Callable[[], List[List[Scored]]]) -> None:
             for r, scored in zip(picked, reader()):
                 for i in rows[r]:  # the row's Scored, split back into its packs'
                     results[i], scored = scored[:len(window[i].requests)], scored[len(window[i].requests):]
             docs = [q.doc for r in picked for q in merged[r].requests]
             left.subtract(docs)
-            self.advance(sum(left[doc] == 0 for doc in set(docs)), sum(len(merged[r].tokens) for r in picked))
+            self.advance(sum(left[doc] == 0 for doc in set(docs)), real)
 
         in_flight = None
         sizes = [(len(merged[r].tokens), len(merged[r].scored)) for r in order]
         for start, chunks, n, shape in self.schedule(sizes, self.max_len, self.chunks, last):
             picked = order[start:start + chunks * n]
-            started = picked, run_block([merged[r] for r in picked], chunks, n, *shape)
-            self.counts.block(sum(len(merged[r].tokens) for r in picked), chunks, n, shape[0])
+            real = sum(len(merged[r].tokens) for r in picked)
+            started = picked, real, run_block([merged[r] for r in picked], chunks, n, *shape)
+            self.counts.block(real, chunks, n, shape[0])
             if in_flight is not None:
                 read(*in_flight)
             in_flight = started
