@@ -260,6 +260,12 @@ def stacked(tensors: List[LazyTensor]) -> LazyTensor:
     return LazyTensor((len(tensors), *first.shape), first.dtype, read)
 
 
+def stacked_layers(layers: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Each layer's parameter tree as one tree of [L, ...] tensors, the layout of GPT's
+    scanned "blocks": a device's block of it reads only the layers it covers."""
+    return jax.tree.map(lambda *tensors: stacked(list(tensors)), *layers)
+
+
 def concatenated(tensors: List[LazyTensor]) -> LazyTensor:
     """The tensors one after another along their first axis (GPT-NeoX's q: each head's rows
     of query_key_value): a block reads only the pieces it overlaps."""
@@ -288,7 +294,7 @@ class TensorFiles:
     as a LazyTensor: a block is read when asked for (plain reads into an aligned array), converted
     from the file's dtype straight to `dtype`, and checked for NaN and infinities. `unused()`
     lists the tensors never asked for, so a config that does not match the file shows up.
-    Native checkpoints read flax paths ("blocks_0/attn/q/kernel"); hf.py reads HuggingFace
+    Native checkpoints read flax paths ("blocks/attn/q/kernel"); hf.py reads HuggingFace
     names, under `prefix` ("model.") where the file has one. Nothing is ever unpickled.
     """
 
@@ -364,6 +370,9 @@ class TensorFiles:
                              f"the model expects {list(shape)}")
         self.read.add(stored)
         return LazyTensor(stored_shape, self.dtype, lambda index: self._read_block(file, stored, index))
+
+    def stored_shape(self, stored: str) -> Tuple[int, ...]:
+        return self._header(self.where[stored], stored)[1]
 
     def _header(self, file: str, stored: str) -> Tuple[str, Tuple[int, ...], int]:
         """(dtype name as numpy spells it, shape, byte offset in the file) of a stored tensor.
@@ -543,7 +552,7 @@ def load_checkpoint(directory: str, mesh: jax.sharding.Mesh, dtype: Optional[str
     model = check_model_fields(fields, f"{path}/config.json", mesh)
     tensors = TensorFiles(str(path), model.param_dtype)
     check_layer_count(model, tensors)
-    stored = {name: tensors.get(name, shape) for name, shape in param_shapes(model).items()}
+    stored = {name: native_tensor(tensors, name, shape) for name, shape in param_shapes(model).items()}
     if tensors.unused():
         raise UsageError(f"{path}: {len(tensors.unused())} tensor(s) the model does not use, "
                          f"e.g. {tensors.unused()[0]!r}")
@@ -558,10 +567,23 @@ def load_native(directory: str, mesh: jax.sharding.Mesh, dtype: Optional[str] = 
     return model, variables, load_tokenizer(config, directory)
 
 
+def native_tensor(tensors: TensorFiles, name: str, shape: Tuple[int, ...]) -> LazyTensor:
+    """A parameter as stored, or a layer's ("blocks/...", [L, ...]) stacked from the tensors
+    of each layer ("blocks_0/...") that checkpoints written before layers were scanned hold."""
+    if name.startswith("blocks/") and not tensors.has(name):
+        return stacked([tensors.get(f"blocks_{i}/{name[len('blocks/'):]}", shape[1:]) for i in range(shape[0])])
+    return tensors.get(name, shape)
+
+
 def check_layer_count(model: gpt.GPT, tensors: TensorFiles) -> None:
     """n_layers must match the file's blocks, checked before the model is traced (tracing a
     wrong, large n_layers would take long only to find a tensor missing)."""
-    stored = len({name.split("/")[0] for name in tensors.where if name.startswith("blocks_")})
+    stacked_names = [name for name in tensors.where if name.startswith("blocks/")]
+    if stacked_names:
+        shape = tensors.stored_shape(stacked_names[0])
+        stored = shape[0] if shape else 0
+    else:
+        stored = len({name.split("/")[0] for name in tensors.where if name.startswith("blocks_")})
     if stored != model.n_layers:
         raise UsageError(f"{tensors.directory}: config.json says n_layers {model.n_layers}, "
                          f"the weights hold {stored} blocks")

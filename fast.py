@@ -339,12 +339,12 @@ def refill_rollout(model: gpt.GPT, params: Any, rollout: Rollout, row: jax.Array
     cache, (_, P) = rollout.cache, prompt_1P.shape
     S = cache.valid_BS.shape[1]
     alone = model.init_cache(1, P)._replace(prefix_keys=cache.prefix_keys, prefix_values=cache.prefix_values)
-    logits_1V, alone = model.apply(params, prompt_1P, mask_1P, alone, not cache.prefix_keys, method=gpt.GPT.extend)
+    logits_1V, alone = model.apply(params, prompt_1P, mask_1P, alone, cache.prefix_keys is None, method=gpt.GPT.extend)
     slots_P = (cache.slot - P + jnp.arange(P)) % S
-    # x[row, :, slots_P] is [P, K, E]: the indexed axes come first, as in numpy
-    put = lambda x_BKSE, new_1KPE: x_BKSE.at[row, :, slots_P].set(new_1KPE[0].swapaxes(0, 1).astype(x_BKSE.dtype))
-    cache = cache._replace(keys=tuple(map(put, cache.keys, alone.keys)),
-                           values=tuple(map(put, cache.values, alone.values)),
+    # x[:, row, :, slots_P] is [P, L, K, E]: the indexed axes come first, as in numpy
+    put = lambda x_LBKSE, new_L1KPE: x_LBKSE.at[:, row, :, slots_P].set(
+        new_L1KPE[:, 0].transpose(2, 0, 1, 3).astype(x_LBKSE.dtype))
+    cache = cache._replace(keys=put(cache.keys, alone.keys), values=put(cache.values, alone.values),
                            valid_BS=cache.valid_BS.at[row].set(False).at[row, slots_P].set(mask_1P[0]))
     first, done = gpt.pick_token(logits_1V, 0, key_1, temperature, top_p)[0], ~mask_1P[0].any()
     return rollout._replace(next_B=rollout.next_B.at[row].set(first), cache=cache,

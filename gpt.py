@@ -31,7 +31,7 @@ import dataclasses
 import functools
 import math
 import os
-from typing import Any, List, NamedTuple, Optional, Tuple, Type
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Type
 
 import flax.linen as nn
 import jax
@@ -118,7 +118,7 @@ def logical_param(module: nn.Module, name: str, shape: Tuple[int, ...], axes: Tu
     initializer for every parameter, a quarter of the time a forward pass takes to trace."""
     if not module.is_initializing() and module.has_variable("params", name):
         value = nn.meta.unbox(module.get_variable("params", name))
-        if tuple(value.shape) != tuple(shape):
+        if tuple(value.shape[value.ndim - len(shape):]) != tuple(shape):  # (bound outside the scan: [L, ...])
             where = "/".join((*module.path, name))
             raise ValueError(f"parameter {where} has shape {list(value.shape)}, expected {list(shape)}")
         return value
@@ -145,7 +145,7 @@ class Linear(Module):
         return y
 
     def flops(self, seq: int) -> float:
-        n_in, n_out = nn.meta.unbox(self.variables["params"]["kernel"]).shape  # init() boxes it
+        n_in, n_out = nn.meta.unbox(self.variables["params"]["kernel"]).shape[-2:]  # a layer's of a stack
         return 3 * 2 * seq * n_in * n_out
 
 
@@ -228,22 +228,33 @@ def rope_frequencies(rot: int, base: float, scaling: Optional[Tuple[Any, ...]] =
     return jnp.where(medium, (1 - s) * long / factor + s * long, long)
 
 
-def rotary(x_BTHE: jax.Array, pos_BT: jax.Array, fraction: float, base: float,
-           scaling: Optional[Tuple[Any, ...]] = None) -> jax.Array:
-    """Rotary position embedding on the first `fraction` of each head ("rotate half" layout,
-    as Llama and GPT-NeoX store it). Angles are computed in float32."""
-    width = x_BTHE.shape[-1]
-    rot = int(width * fraction) // 2 * 2
-    inv_freq = rope_frequencies(rot, base, scaling)
-    angle_BTR = pos_BT[..., None].astype(jnp.float32) * inv_freq[None, None, :]
-    angle_BTR = jnp.concatenate([angle_BTR, angle_BTR], -1)[:, :, None, :]  # one per head
+def rotary_angles(pos_BT: jax.Array, freq_R: jax.Array, factor: float = 1.0) -> Tuple[jax.Array, jax.Array]:
+    """(cos, sin) [B, T, 2R] of the rotary angles at these positions, float32, for
+    rope_frequencies' R frequencies; longrope's attention factor scales both (transformers
+    scales cos and sin, so q.k by its square)."""
+    angle_BTR = pos_BT[..., None].astype(jnp.float32) * freq_R[None, None, :]
+    angle_BTR = jnp.concatenate([angle_BTR, angle_BTR], -1)
     cos, sin = jnp.cos(angle_BTR), jnp.sin(angle_BTR)
-    if scaling is not None and scaling[0] == "longrope":  # transformers scales cos and sin, so q.k by its square
-        cos, sin = cos * scaling[2], sin * scaling[2]
+    return (cos, sin) if factor == 1.0 else (cos * factor, sin * factor)
+
+
+def rotary(x_BTHE: jax.Array, cos_BTR: jax.Array, sin_BTR: jax.Array) -> jax.Array:
+    """Rotary position embedding on the first R of each head ("rotate half" layout, as
+    Llama and GPT-NeoX store it), by rotary_angles' tables, in float32; the rest as it is."""
+    rot = cos_BTR.shape[-1]
+    cos, sin = cos_BTR[:, :, None, :], sin_BTR[:, :, None, :]  # one per head
     x_rot, x_pass = x_BTHE[..., :rot].astype(jnp.float32), x_BTHE[..., rot:]
     half1, half2 = jnp.split(x_rot, 2, axis=-1)
     rotated = x_rot * cos + jnp.concatenate([-half2, half1], -1) * sin
     return jnp.concatenate([rotated.astype(x_BTHE.dtype), x_pass], -1)
+
+
+def layer_rotary(c: "AttentionConfig", pos_BT: jax.Array) -> Tuple[jax.Array, jax.Array]:
+    """A layer's rotary_angles at these positions, from its config."""
+    rot = int(c.head_dim * c.rotary_fraction) // 2 * 2
+    longrope = c.rope_scaling is not None and c.rope_scaling[0] == "longrope"
+    return rotary_angles(pos_BT, rope_frequencies(rot, c.rope_theta, c.rope_scaling),
+                         c.rope_scaling[2] if longrope else 1.0)
 
 
 ATTENTIONS = ("fast", "reference")  # GPT.attention: how attention is computed, never what
@@ -404,6 +415,8 @@ def attend_causal(q_BTHE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, allow
     rows = rows_at_a_time(B)
     if rows == B:
         return attend_blocks(q_BTHE, k_BKSE, v_BKSE, allowed_BTS, scale, softcap, window, query_block)
+    if allowed_BTS is not None:  # (one mask for every row, GPT.masks' where windows mix)
+        allowed_BTS = jnp.broadcast_to(allowed_BTS, (B, *allowed_BTS.shape[1:]))
     # step i takes rows i, i + B/rows, ...: one row of each device's share, as the batch
     # axis splits rows into contiguous shares (a step over a device's own rows alone would
     # make XLA's partitioner gather every row onto every device)
@@ -452,13 +465,39 @@ def causal_window(q0: int, q1: int, k0: int, k1: int, window: Optional[int]) -> 
     return allowed_1TS[0] if window is None else allowed_1TS[0] & window_allowed(query_T, key_S, window)
 
 
+class Layer(NamedTuple):
+    """What differs from one layer to the next, scanned over with the layers' stacked
+    parameters (GPT.decode): the layer's index (where it reads and writes the stacked KV
+    cache), whether it is a local layer where local and global ones mix (None: all alike,
+    the window decided once), which of Context.rotary's tables it uses where they differ
+    (None: the first), and its shared prefix's (k_KQE, v_KQE) (None without one)."""
+
+    depth: jax.Array
+    local: Optional[jax.Array]
+    rope: Optional[jax.Array]
+    prefix: Optional[Tuple[jax.Array, jax.Array]]
+
+
+def cache_write(cache_LBKSE: jax.Array, depth: jax.Array, slot: jax.Array,
+                new_BKTE: jax.Array) -> Tuple[jax.Array, jax.Array]:
+    """(layer `depth`'s cache with the T new keys or values at `slot` [B, K, S, E], to attend
+    over; the stack [L, B, K, S, E] with them written in place). The stack's new entries are
+    read back from the layer's, so the layer is read before the stack is written: written
+    straight from new_BKTE, XLA copied the whole stack at every layer to keep both."""
+    layer_BKSE = jax.lax.dynamic_update_slice(jax.lax.dynamic_index_in_dim(cache_LBKSE, depth, 0, False),
+                                              new_BKTE.astype(cache_LBKSE.dtype), (0, 0, slot, 0))
+    written_1BKTE = jax.lax.dynamic_slice_in_dim(layer_BKSE, slot, new_BKTE.shape[2], 2)[None]
+    return layer_BKSE, jax.lax.dynamic_update_slice(cache_LBKSE, written_1BKTE, (depth, 0, 0, slot, 0))
+
+
 class Attention(Module):
     """Causal self-attention with grouped key/value heads, optional q/k norm and rotary.
 
-    With a layer cache (k_BKSE, v_BKSE), the new keys and values are written at `slot` and
-    the queries attend over all S cache slots (attend); `allowed_BTS` says which ones they
-    may see (the caller includes this layer's window in it). Without a cache, attend_causal:
-    allowed_BTS None there means plain causal attention within the layer's window.
+    With the KV cache of every layer (k_LBKSE, v_LBKSE), the new keys and values are
+    written into this layer's at `slot` and the queries attend over its S slots (attend);
+    `allowed_BTS` says which ones they may see (the caller includes this layer's window in
+    it). Without a cache, attend_causal: allowed_BTS None there means plain causal attention
+    within the config's window.
     """
 
     cfg: AttentionConfig = AttentionConfig()
@@ -478,12 +517,13 @@ class Attention(Module):
             self.q_norm, self.k_norm = Norm(axis_name=q_axis, **norm), Norm(axis_name=k_axis, **norm)
         self.drop = nn.Dropout(c.dropout)
 
-    def __call__(self, x_BTD: jax.Array, pos_BT: jax.Array, allowed_BTS: jax.Array,
-                 deterministic: bool = True, kv: Optional[Tuple[jax.Array, jax.Array]] = None,
-                 slot: Optional[jax.Array] = None, fresh: bool = False,
-                 prefix: Optional[Tuple[jax.Array, jax.Array]] = None):
-        """(y_BTD, the layer's updated (k_BKSE, v_BKSE) or None without a cache). fresh: the
-        cache is empty (see GPT.decode); prefix: the cache's shared (k_KQE, v_KQE) or None."""
+    def __call__(self, x_BTD: jax.Array, rotary_tables: Optional[Tuple[jax.Array, jax.Array]],
+                 allowed_BTS: Optional[jax.Array], layer: Layer, deterministic: bool = True,
+                 kv: Optional[Tuple[jax.Array, jax.Array]] = None, slot: Optional[jax.Array] = None,
+                 fresh: bool = False):
+        """(y_BTD, the updated (k_LBKSE, v_LBKSE) or None without a cache). rotary_tables: this
+        layer's (cos, sin) [B, T, R] (rotary_angles), or None without rotary; fresh: the cache
+        is empty (see GPT.decode); layer.prefix: the cache's shared (k_KQE, v_KQE) or None."""
         c = self.cfg
         B, T, D = x_BTD.shape
         q_BTHE = self.q(x_BTD).reshape(B, T, c.n_head, c.head_dim)
@@ -494,18 +534,15 @@ class Attention(Module):
             k_BTKE = self.k_norm(k_BTKE.reshape(B, T, -1)).reshape(k_BTKE.shape)
         elif c.qk_norm:
             q_BTHE, k_BTKE = self.q_norm(q_BTHE), self.k_norm(k_BTKE)
-        if c.rope:
-            q_BTHE = rotary(q_BTHE, pos_BT, c.rotary_fraction, c.rope_theta, c.rope_scaling)
-            k_BTKE = rotary(k_BTKE, pos_BT, c.rotary_fraction, c.rope_theta, c.rope_scaling)
-        if kv is not None:  # write the T new keys/values into their cache slots
-            k_BKSE = jax.lax.dynamic_update_slice(kv[0], k_BTKE.transpose(0, 2, 1, 3).astype(kv[0].dtype),
-                                                  (0, 0, slot, 0))
-            v_BKSE = jax.lax.dynamic_update_slice(kv[1], v_BTKE.transpose(0, 2, 1, 3).astype(kv[1].dtype),
-                                                  (0, 0, slot, 0))
-            kv = (k_BKSE, v_BKSE)
+        if rotary_tables is not None:
+            q_BTHE, k_BTKE = rotary(q_BTHE, *rotary_tables), rotary(k_BTKE, *rotary_tables)
+        if kv is not None:  # the T new keys/values into this layer's cache slots
+            (k_BKSE, keys), (v_BKSE, values) = (cache_write(c_LBKSE, layer.depth, slot, x_BTKE.transpose(0, 2, 1, 3))
+                                                for c_LBKSE, x_BTKE in zip(kv, (k_BTKE, v_BTKE)))
+            kv = (keys, values)
         # no cache, or an empty one (fresh): the new tokens see only each other, no later key;
         # else they attend over all S slots. With a cache, allowed_BTS holds the window.
-        own = kv is None or fresh
+        own, prefix = kv is None or fresh, layer.prefix
         if c.reference:
             if own:
                 k_BKSE, v_BKSE = k_BTKE.transpose(0, 2, 1, 3), v_BTKE.transpose(0, 2, 1, 3)
@@ -656,15 +693,27 @@ class MoE(Module):
     def flops(self, seq: int) -> float:
         """The router, the A active experts per token (not all X that dense dispatch runs),
         and the shared expert."""
-        expert = 3 * 2 * seq * 3 * self.cfg.width * self.cfg.hidden  # gate, up, down
-        total = self.router.flops(seq) + self.experts.active * expert
-        if self.experts.shared_hidden is not None:
-            total += self.shared.flops(seq) + self.shared_gate.flops(seq)
+        D, X, shared = self.cfg.width, self.experts.n_experts, self.experts.shared_hidden
+        gated = lambda hidden: 3 * 2 * seq * 3 * D * hidden  # gate, up, down
+        total = 3 * 2 * seq * D * X + self.experts.active * gated(self.cfg.hidden)  # the router, the active experts
+        if shared is not None:  # (from the sizes: a stacked layer's setup would see [L, ...] weights)
+            total += gated(shared) + 3 * 2 * seq * D
         return total
 
     @classmethod
     def components(cls) -> List[Type[Any]]:
         return [Linear, MLP]
+
+
+def relative_update(x_BTD: jax.Array, residual_BTD: jax.Array, mask_BT: jax.Array) -> jax.Array:
+    """A block's relative update ||x - residual|| / ||residual||: the norms over the model
+    width at each token, their mean over real tokens. GPT.decode sows the layers' [L] as
+    intermediates["residual_update"], computed only when apply() is given
+    mutable=["intermediates"]."""
+    x_BTD, r_BTD = x_BTD.astype(jnp.float32), residual_BTD.astype(jnp.float32)
+    ratio_BT = jnp.linalg.norm(x_BTD - r_BTD, axis=-1) / (jnp.linalg.norm(r_BTD, axis=-1) + 1e-12)
+    weight_BT = mask_BT.astype(jnp.float32)
+    return (ratio_BT * weight_BT).sum() / jnp.maximum(weight_BT.sum(), 1.0)
 
 
 class Block(Module):
@@ -701,13 +750,20 @@ class Block(Module):
         else:
             self.mlp = MoE(cfg=self.feedforward, experts=self.experts, **dt)
 
-    def __call__(self, x_BTD: jax.Array, pos_BT: jax.Array, allowed_BTS: jax.Array,
-                 deterministic: bool = True, kv: Optional[Tuple[jax.Array, jax.Array]] = None,
-                 slot: Optional[jax.Array] = None, fresh: bool = False,
-                 prefix: Optional[Tuple[jax.Array, jax.Array]] = None):
-        """(x_BTD after the block, the layer's updated cache or None)."""
+    def __call__(self, carry: Tuple[jax.Array, Optional[Tuple[jax.Array, jax.Array]]], layer: Layer,
+                 context: "Context", deterministic: bool = True, fresh: bool = False, measure: bool = False):
+        """One layer, as GPT.decode scans it: carry (x_BTD, the KV cache of every layer or
+        None) -> ((x_BTD after the block, the cache with this layer's new keys and values),
+        the block's relative update (see relative_update) if `measure`, else None)."""
+        x_BTD, kv = carry
+        allowed_BTS = context.allowed_BTS
+        if layer.local is not None:  # local and global layers mix: the mask is picked per layer
+            allowed_BTS = jnp.where(layer.local, context.local_BTS, context.allowed_BTS)
+        rotary_tables = None
+        if context.rotary is not None:  # this layer's of the distinct tables [N, B, T, R]
+            rotary_tables = tuple(t[0 if layer.rope is None else layer.rope] for t in context.rotary)
         attn_in_BTD = self.ln_1(x_BTD) if self.pre_norm else x_BTD
-        a_BTD, kv = self.attn(attn_in_BTD, pos_BT, allowed_BTS, deterministic, kv, slot, fresh, prefix)
+        a_BTD, kv = self.attn(attn_in_BTD, rotary_tables, allowed_BTS, layer, deterministic, kv, context.slot, fresh)
         if self.sandwich_norm:
             a_BTD = self.ln_attn_out(a_BTD)
         a_BTD = a_BTD * self.residual_multiplier
@@ -715,7 +771,8 @@ class Block(Module):
         m_BTD = self.mlp(self.ln_2(mlp_in_BTD) if self.pre_norm else mlp_in_BTD, deterministic)
         if self.sandwich_norm:
             m_BTD = self.ln_mlp_out(m_BTD)
-        return x_BTD + a_BTD + m_BTD * self.residual_multiplier, kv
+        out_BTD = x_BTD + a_BTD + m_BTD * self.residual_multiplier
+        return (out_BTD, kv), relative_update(out_BTD, x_BTD, context.mask_BT) if measure else None
 
     @classmethod
     def components(cls) -> List[Type[Any]]:
@@ -726,23 +783,38 @@ class Block(Module):
 
 
 class KVCache(NamedTuple):
-    """The decoder's state: per layer keys and values [B, K, S, E], which of the S slots
-    hold real tokens [B, S], and the slot the next token goes to (a scalar).
+    """The decoder's state: every layer's keys and values, stacked [L, B, K, S, E], which of
+    the S slots hold real tokens [B, S], and the slot the next token goes to (a scalar).
 
-    prefix_keys, prefix_values: per layer [K, Q, E], Q tokens that come before every row's
-    slots (the few-shot examples all prompts of a batch begin with, fast.start_rollout), held
-    once for the batch: a decoding step reads them once, not once per row."""
+    prefix_keys, prefix_values: [L, K, Q, E], Q tokens that come before every row's slots
+    (the few-shot examples all prompts of a batch begin with, fast.start_rollout), held
+    once for the batch: a decoding step reads them once, not once per row; None without."""
 
-    keys: Tuple[jax.Array, ...]
-    values: Tuple[jax.Array, ...]
+    keys: jax.Array
+    values: jax.Array
     valid_BS: jax.Array
     slot: jax.Array
-    prefix_keys: Tuple[jax.Array, ...] = ()
-    prefix_values: Tuple[jax.Array, ...] = ()
+    prefix_keys: Optional[jax.Array] = None
+    prefix_values: Optional[jax.Array] = None
 
     @property
     def prefix_length(self) -> int:
-        return self.prefix_keys[0].shape[1] if self.prefix_keys else 0
+        return 0 if self.prefix_keys is None else self.prefix_keys.shape[2]
+
+
+class Context(NamedTuple):
+    """What every layer sees alike (GPT.decode): which keys each query sees on global layers
+    and on local ones ([B, T, S]; None: plain causal, see attend_causal; local_BTS is read
+    only where local and global layers mix), the rotary tables of the layers' N distinct
+    rotary settings ((cos, sin) [N, B, T, R], computed once for all layers; None without
+    rotary), the real tokens [B, T], and the cache slot the new tokens go to (None without
+    a cache)."""
+
+    allowed_BTS: Optional[jax.Array]
+    local_BTS: Optional[jax.Array]
+    rotary: Optional[Tuple[jax.Array, jax.Array]]
+    mask_BT: jax.Array
+    slot: Optional[jax.Array]
 
 
 def float32_in_full(method: Any) -> Any:
@@ -833,13 +905,73 @@ class GPT(Module):
         return self.window_pattern[depth % len(self.window_pattern)] == "S"
 
     @property
+    def mixed_windows(self) -> bool:
+        """Whether local (windowed) and global layers alternate (Gemma 2 and 3): then the
+        window is a mask picked per layer (Block), not a setting of the one scanned block."""
+        kinds = {self.is_local(depth) for depth in range(self.n_layers)}
+        return self.sliding_window is not None and len(kinds) > 1
+
+    def layer_attention(self, depth: int) -> AttentionConfig:
+        """Layer `depth`'s attention: the sizes and options of all of them, and on a local
+        layer the sliding window and its own plain rotary base (local_rope_theta), if set."""
+        config = AttentionConfig(
+            width=self.n_embd, n_head=self.n_head, n_kv_head=self.kv_heads, head_dim=self.head_width,
+            qkv_bias=self.has_qkv_bias, out_bias=self.bias, qk_norm=self.qk_norm, norm_eps=self.norm_eps,
+            norm_offset=self.norm_offset, rope=self.rope, rotary_fraction=self.rotary_fraction,
+            qk_norm_full=self.qk_norm_full, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
+            scale=self.attn_scale, softcap=self.attn_softcap, dropout=self.dropout,
+            residual_std=0.02 / math.sqrt(2 * self.n_layers), reference=self.attention == "reference",
+            query_block=self.query_block)
+        if not self.is_local(depth):
+            return config
+        config = dataclasses.replace(config, window=self.sliding_window)
+        if self.local_rope_theta is not None:  # Gemma 3: plain rotary with its own base
+            config = dataclasses.replace(config, rope_theta=self.local_rope_theta, rope_scaling=None)
+        return config
+
+    def block_fields(self) -> Dict[str, Any]:
+        """The fields of the Block every layer runs (GPT.setup scans it). Where local and
+        global layers mix, its attention has no window of its own: the mask says it."""
+        attention = self.layer_attention(0)
+        if self.mixed_windows:
+            attention = dataclasses.replace(attention, window=None)
+        residual_std = 0.02 / math.sqrt(2 * self.n_layers)
+        feedforward = MLPConfig(width=self.n_embd, hidden=self.mlp_width, kind=self.mlp, bias=self.bias,
+                                dropout=self.dropout, residual_std=residual_std)
+        experts = None if self.n_experts is None else ExpertsConfig(
+            n_experts=self.n_experts, active=self.n_experts_per_token, norm_topk_prob=self.norm_topk_prob,
+            shared_hidden=self.shared_expert_hidden)
+        return dict(attention=attention, feedforward=feedforward, experts=experts, norm=self.norm,
+                    norm_eps=self.norm_eps, norm_bias=self.bias, norm_offset=self.norm_offset,
+                    parallel_residual=self.parallel_residual, sandwich_norm=self.sandwich_norm,
+                    pre_norm=self.pre_norm, residual_multiplier=self.residual_multiplier,
+                    param_dtype=self.param_dtype, activation_dtype=self.activation_dtype)
+
+    def rotary_settings(self) -> Tuple[List[AttentionConfig], List[int]]:
+        """The layers' distinct rotary settings (a layer's attention config stands for its
+        own), and each layer's index among them: one, or a local and a global (Gemma 3)."""
+        keys = [(c.rope_theta, c.rope_scaling) for c in map(self.layer_attention, range(self.n_layers))]
+        distinct = list(dict.fromkeys(keys))
+        return [self.layer_attention(keys.index(k)) for k in distinct], [distinct.index(k) for k in keys]
+
+    def layer_inputs(self, cache: Optional[KVCache]) -> Layer:
+        """Each layer's Layer, stacked [L, ...] for the scan."""
+        L = self.n_layers
+        local = jnp.asarray([self.is_local(d) for d in range(L)]) if self.mixed_windows else None
+        settings, which = self.rotary_settings()
+        rope = jnp.asarray(which, jnp.int32) if self.rope and len(settings) > 1 else None
+        prefix = None if cache is None or cache.prefix_keys is None else (cache.prefix_keys, cache.prefix_values)
+        return Layer(jnp.arange(L, dtype=jnp.int32), local, rope, prefix)
+
+    @property
     def sharding(self) -> List[Tuple[str, Optional[str]]]:
         # Data parallel: inputs split their batch over "batch" (see input_sharding). Megatron-
         # style tensor parallel: q/k/v and MLP-up split their outputs over "shard",
         # attention-out and MLP-down their inputs; the vocabulary is split too. Expert
         # parallel: a mixture's experts are split over "shard", each expert whole.
         return [("batch", "batch"), ("vocab", "shard"), ("heads", "shard"), ("kv_heads", "shard"),
-                ("mlp", "shard"), ("experts", "shard"), ("expert_mlp", None), ("embed", None), ("head_dim", None)]
+                ("mlp", "shard"), ("experts", "shard"), ("expert_mlp", None), ("embed", None), ("head_dim", None),
+                ("layers", None)]
 
     def setup(self) -> None:
         dt = dict(param_dtype=self.param_dtype, activation_dtype=self.activation_dtype)
@@ -851,28 +983,12 @@ class GPT(Module):
             self.wpe = nn.Embed(self.block_size, self.n_embd, embedding_init=pos_init,
                                 param_dtype=self.pdtype)
         self.drop = nn.Dropout(self.dropout)
-        residual_std = 0.02 / math.sqrt(2 * self.n_layers)
-        attention = AttentionConfig(
-            width=self.n_embd, n_head=self.n_head, n_kv_head=self.kv_heads, head_dim=self.head_width,
-            qkv_bias=self.has_qkv_bias, out_bias=self.bias, qk_norm=self.qk_norm, norm_eps=self.norm_eps,
-            norm_offset=self.norm_offset, rope=self.rope, rotary_fraction=self.rotary_fraction,
-            qk_norm_full=self.qk_norm_full, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
-            scale=self.attn_scale, softcap=self.attn_softcap, dropout=self.dropout, residual_std=residual_std,
-            reference=self.attention == "reference", query_block=self.query_block)
-        local = dataclasses.replace(attention, window=self.sliding_window)
-        if self.local_rope_theta is not None:  # Gemma 3: plain rotary with its own base
-            local = dataclasses.replace(local, rope_theta=self.local_rope_theta, rope_scaling=None)
-        feedforward = MLPConfig(width=self.n_embd, hidden=self.mlp_width, kind=self.mlp, bias=self.bias,
-                                dropout=self.dropout, residual_std=residual_std)
-        experts = None if self.n_experts is None else ExpertsConfig(
-            n_experts=self.n_experts, active=self.n_experts_per_token, norm_topk_prob=self.norm_topk_prob,
-            shared_hidden=self.shared_expert_hidden)
-        self.blocks = [Block(attention=local if self.is_local(i) else attention, feedforward=feedforward,
-                             experts=experts, norm=self.norm, norm_eps=self.norm_eps, norm_bias=self.bias,
-                             norm_offset=self.norm_offset, parallel_residual=self.parallel_residual,
-                             sandwich_norm=self.sandwich_norm, pre_norm=self.pre_norm,
-                             residual_multiplier=self.residual_multiplier, **dt)
-                       for i in range(self.n_layers)]
+        # one Block traced once and scanned over the layers' stacked parameters [L, ...] (the
+        # logical axis "layers"), so a program's size and compile time do not grow with depth
+        scanned = nn.scan(Block, variable_axes={"params": 0, "intermediates": 0},
+                          split_rngs={"params": True, "dropout": True}, in_axes=(0,) + (nn.broadcast,) * 4,
+                          length=self.n_layers, metadata_params={nn.PARTITION_NAME: "layers"})
+        self.blocks = scanned(**self.block_fields())
         self.ln_f = Norm(kind=self.norm, eps=self.norm_eps, use_bias=self.bias, offset=self.norm_offset, **dt)
         if not self.tie_embeddings:
             self.lm_head = Linear(features=self.vocab_size, axes=("embed", "vocab"), **dt)
@@ -919,13 +1035,10 @@ class GPT(Module):
         mask_BT = jnp.ones((B, T), bool) if padding_mask is None else padding_mask.astype(bool)
         pos_BT = positions_for(mask_BT, positions)
         self.check_length(T if cache is None else cache.prefix_length + cache.valid_BS.shape[1])
-        prefixes = [None] * self.n_layers
         if cache is None:
-            valid_BS, query_T, key_S = mask_BT, jnp.arange(T), jnp.arange(T)
-            kvs, slot = [None] * self.n_layers, None
+            valid_BS, query_T, key_S, kv, slot = mask_BT, jnp.arange(T), jnp.arange(T), None, None
         else:
-            slot, kvs = cache.slot, list(zip(cache.keys, cache.values))
-            prefixes = list(zip(cache.prefix_keys, cache.prefix_values)) or prefixes
+            slot, kv = cache.slot, (cache.keys, cache.values)
             cache_valid_BS = jax.lax.dynamic_update_slice(cache.valid_BS, mask_BT, (0, slot))
             if fresh:  # the keys are the new tokens alone
                 valid_BS, query_T, key_S = mask_BT, jnp.arange(T), jnp.arange(T)
@@ -933,29 +1046,46 @@ class GPT(Module):
                 key_S = jnp.arange(cache_valid_BS.shape[1])
                 query_T, key_S = slot + jnp.arange(T), jnp.where(key_S >= slot + T, key_S - len(key_S), key_S)
                 valid_BS = cache_valid_BS
-        allowed_BTS = local_BTS = None  # without a padding mask or cache: the fused path (attend_causal)
-        if allowed is not None:
-            allowed_BTS = local_BTS = allowed
-            if self.sliding_window is not None:
-                local_BTS = allowed & (pos_BT[:, :, None] - pos_BT[:, None, :] < self.sliding_window)
-        elif padding_mask is not None or cache is not None:
-            allowed_BTS = local_BTS = causal_allowed(valid_BS, query_T, key_S)
-            if self.sliding_window is not None:
-                local_BTS = allowed_BTS & window_allowed(query_T, key_S, self.sliding_window)[None]
-        new_kvs = []
-        for depth, (block, kv, prefix) in enumerate(zip(self.blocks, kvs, prefixes)):
-            residual_BTD = x_BTD
-            x_BTD, kv = block(x_BTD, pos_BT, local_BTS if self.is_local(depth) else allowed_BTS,
-                              deterministic, kv, slot, fresh, prefix)
-            if self.is_mutable_collection("intermediates"):  # asked for: see measure
-                self.measure(x_BTD, residual_BTD, depth, mask_BT)
-            new_kvs.append(kv)
+        allowed_BTS, local_BTS = self.masks(pos_BT, allowed, padding_mask is not None or cache is not None,
+                                            valid_BS, query_T, key_S)
+        rotary = None
+        if self.rope:
+            tables = [layer_rotary(c, pos_BT) for c in self.rotary_settings()[0]]
+            rotary = tuple(jnp.stack(t) for t in zip(*tables))
+        context = Context(allowed_BTS, local_BTS, rotary, mask_BT, slot)
+        measure = self.is_mutable_collection("intermediates")  # asked for: see relative_update
+        # for each layer in turn, on its own slice of the stacked parameters and cache:
+        #     x_BTD, kv = Block(layer params)((x_BTD, kv), layer, context, ...)
+        (x_BTD, kv), updates_L = self.blocks((x_BTD, kv), self.layer_inputs(cache), context, deterministic, fresh,
+                                             measure)
+        if measure:
+            self.sow("intermediates", "residual_update", updates_L, init_fn=lambda: None, reduce_fn=lambda _, v: v)
         x_BTD = self.ln_f(x_BTD)
         if cache is None:
             return x_BTD
-        keys, values = zip(*new_kvs)
-        return x_BTD, cache._replace(keys=tuple(keys), values=tuple(values), valid_BS=cache_valid_BS,
+        return x_BTD, cache._replace(keys=kv[0], values=kv[1], valid_BS=cache_valid_BS,
                                      slot=(slot + T) % cache_valid_BS.shape[1])
+
+    def masks(self, pos_BT: jax.Array, allowed: Optional[jax.Array], masked: bool, valid_BS: jax.Array,
+              query_T: jax.Array, key_S: jax.Array) -> Tuple[Optional[jax.Array], Optional[jax.Array]]:
+        """(which keys each query sees on global layers, on local ones) [B, T, S], or None for
+        the fused causal path (no padding mask, no cache, nothing packed). Where all layers are
+        local the first is the local one; where kinds mix both are made, None never."""
+        allowed_BTS = local_BTS = None
+        if allowed is not None:  # packed rows: a window counts positions, not slots
+            allowed_BTS = local_BTS = allowed
+            if self.sliding_window is not None:
+                local_BTS = allowed & (pos_BT[:, :, None] - pos_BT[:, None, :] < self.sliding_window)
+        elif masked:
+            allowed_BTS = local_BTS = causal_allowed(valid_BS, query_T, key_S)
+            if self.sliding_window is not None:
+                local_BTS = allowed_BTS & window_allowed(query_T, key_S, self.sliding_window)[None]
+        elif self.mixed_windows:
+            T = pos_BT.shape[1]
+            allowed_BTS, local_BTS = causal_window(0, T, 0, T, None)[None], causal_window(0, T, 0, T, self.sliding_window)[None]
+        if self.mixed_windows:
+            return allowed_BTS, local_BTS
+        return (local_BTS if self.is_local(0) else allowed_BTS), None
 
     def check_length(self, length: int) -> None:
         """Longrope's factors hold up to its original context only: past it transformers
@@ -965,20 +1095,6 @@ class GPT(Module):
         if self.rope_scaling is not None and self.rope_scaling[0] == "longrope" and length > self.rope_scaling[1]:
             raise ValueError(f"longrope: {length} positions exceed original_max_position_embeddings "
                              f"{self.rope_scaling[1]}, beyond which transformers switches to the long factors")
-
-    def measure(self, x: jax.Array, residual: jax.Array, depth: int, padding_mask: Optional[jax.Array]) -> None:
-        """Record block `depth`'s relative update ||x - residual|| / ||residual||.
-
-        The norms are over the model width at each token; the value is their mean over
-        real (unpadded) tokens, sown as intermediates["residual_update"][depth]. It is
-        computed only when apply() is given mutable=["intermediates"].
-        """
-        x_BTD, r_BTD = x.astype(jnp.float32), residual.astype(jnp.float32)
-        ratio_BT = jnp.linalg.norm(x_BTD - r_BTD, axis=-1) / (jnp.linalg.norm(r_BTD, axis=-1) + 1e-12)
-        weight_BT = jnp.ones_like(ratio_BT) if padding_mask is None else padding_mask.astype(jnp.float32)
-        value = (ratio_BT * weight_BT).sum() / jnp.maximum(weight_BT.sum(), 1.0)
-        self.sow("intermediates", "residual_update", value,
-                 init_fn=lambda: [None] * self.n_layers, reduce_fn=lambda acc, v: _put(acc, depth, v))
 
     @float32_in_full
     def unembed(self, x: jax.Array) -> jax.Array:
@@ -1027,19 +1143,17 @@ class GPT(Module):
         """An empty KV cache with `length` slots per sequence. prefix: a one-row cache of
         tokens every sequence begins with (extend into init_cache(1, Q)), held once before
         every row's slots (KVCache.prefix_keys)."""
-        zeros = lambda: jnp.zeros((batch, self.kv_heads, length, self.head_width), self.adtype)
-        cache = KVCache(keys=tuple(zeros() for _ in range(self.n_layers)),
-                        values=tuple(zeros() for _ in range(self.n_layers)),
-                        valid_BS=jnp.zeros((batch, length), bool), slot=jnp.zeros((), jnp.int32))
+        zeros = lambda: jnp.zeros((self.n_layers, batch, self.kv_heads, length, self.head_width), self.adtype)
+        cache = KVCache(keys=zeros(), values=zeros(), valid_BS=jnp.zeros((batch, length), bool),
+                        slot=jnp.zeros((), jnp.int32))
         if prefix is None:
             return cache
         if self.sliding_window is not None:
             raise ValueError("a shared prefix puts padding inside prompts, where a sliding window counts slots")
-        return cache._replace(prefix_keys=tuple(k_1KQE[0] for k_1KQE in prefix.keys),
-                              prefix_values=tuple(v_1KQE[0] for v_1KQE in prefix.values))
+        return cache._replace(prefix_keys=prefix.keys[:, 0], prefix_values=prefix.values[:, 0])
 
     def flops(self, seq: int) -> float:
-        total = sum(block.flops(seq) for block in self.blocks)
+        total = self.n_layers * self.blocks.flops(seq)  # the scanned block: one layer's
         if self.tie_embeddings:  # the unembedding matmul; the embedding lookup is a gather
             total += 3 * 2 * seq * self.n_embd * self.vocab_size
         else:
@@ -1084,12 +1198,6 @@ FAMILIES = {
     "qwen3_moe": dict(rope=True, mlp="swiglu", norm="rmsnorm", bias=False, qk_norm=True),
     "olmoe": dict(rope=True, mlp="swiglu", norm="rmsnorm", bias=False, qk_norm=True, qk_norm_full=True),
 }
-
-
-def _put(values: list, index: int, value: Any) -> list:
-    values = list(values)
-    values[index] = value
-    return values
 
 
 def positions_for(mask_or_idx: jax.Array, positions: Optional[jax.Array]) -> jax.Array:

@@ -45,7 +45,7 @@ import transformers  # noqa: E402  (torch is never needed, and the first line on
 
 import gpt
 from checkpoints import (Node, TensorFiles, check_model_fields, concatenated, flatten, load_native, param_shapes,
-                         read_config, split, stacked)
+                         read_config, split, stacked, stacked_layers)
 from jobs import CHAT_TEMPLATES, TOKENIZER_FILES, HFTokenizer, UsageError, exit_status, first_line, read_json, short
 
 SUPPORTED = ("gpt2", "llama", "qwen2", "qwen3", "gpt_neox", "mistral", "gemma3_text", "gemma2", "phi3", "olmo2",
@@ -421,15 +421,17 @@ def gpt2_params(ck: TensorFiles, m: gpt.GPT) -> Dict[str, Any]:
                                        "bias": ck.get(name + ".bias", (n_out,))}
     p = {"wte": {"embedding": ck.get("wte.weight", (V, D))},
          "wpe": {"embedding": ck.get("wpe.weight", (m.block_size, D))}}
+    layers = []
     for i in range(m.n_layers):
         h = f"h.{i}."
         qkv = dense(h + "attn.c_attn", D, 3 * D)
         q, k, v = ({"kernel": w, "bias": b} for w, b in zip(split(qkv["kernel"], [D] * 3, axis=1),
                                                             split(qkv["bias"], [D] * 3)))
-        p[f"blocks_{i}"] = {
+        layers.append({
             "ln_1": norm(h + "ln_1"), "ln_2": norm(h + "ln_2"),
             "attn": {"q": q, "k": k, "v": v, "o": dense(h + "attn.c_proj", D, D)},
-            "mlp": {"up": dense(h + "mlp.c_fc", D, F), "down": dense(h + "mlp.c_proj", F, D)}}
+            "mlp": {"up": dense(h + "mlp.c_fc", D, F), "down": dense(h + "mlp.c_proj", F, D)}})
+    p["blocks"] = stacked_layers(layers)
     p["ln_f"] = norm("ln_f")
     if not m.tie_embeddings:
         p["lm_head"] = {"kernel": ck.get("lm_head.weight", (V, D), prefixed=False).T}
@@ -450,10 +452,12 @@ def llama_params(ck: TensorFiles, m: gpt.GPT, config: Any) -> Dict[str, Any]:
     (Gemma stores w of its 1 + w)."""
     D, V = m.n_embd, m.vocab_size
     p = {"wte": {"embedding": ck.get("embed_tokens.weight", (V, D))}}
+    layers = []
     for i in range(m.n_layers):
         h = f"layers.{i}."
         mlp = expert_params(ck, m, config, h) if m.n_experts is not None else mlp_params(ck, m, config, h)
-        p[f"blocks_{i}"] = {**block_norms(ck, m, h), "attn": attention_params(ck, m, config, h), "mlp": mlp}
+        layers.append({**block_norms(ck, m, h), "attn": attention_params(ck, m, config, h), "mlp": mlp})
+    p["blocks"] = stacked_layers(layers)
     p["ln_f"] = {"scale": ck.get("norm.weight", (D,))}
     if not m.tie_embeddings:
         p["lm_head"] = {"kernel": ck.get("lm_head.weight", (V, D), prefixed=False).T}
@@ -528,6 +532,7 @@ def neox_params(ck: TensorFiles, m: gpt.GPT) -> Dict[str, Any]:
     D, F, V, H, E = m.n_embd, m.mlp_width, m.vocab_size, m.n_head, m.head_width
     norm = lambda name: {"scale": ck.get(name + ".weight", (D,)), "bias": ck.get(name + ".bias", (D,))}
     p = {"wte": {"embedding": ck.get("embed_in.weight", (V, D))}}
+    layers = []
     for i in range(m.n_layers):
         h = f"layers.{i}."
         w = ck.get(h + "attention.query_key_value.weight", (3 * D, D))
@@ -540,11 +545,12 @@ def neox_params(ck: TensorFiles, m: gpt.GPT) -> Dict[str, Any]:
             if m.has_qkv_bias:
                 attn[name]["bias"] = per_head(b, j)
         attn["o"] = linear(ck, h + "attention.dense", D, D, m.has_qkv_bias, True)  # attention_bias
-        p[f"blocks_{i}"] = {
+        layers.append({
             "ln_1": norm(h + "input_layernorm"), "ln_2": norm(h + "post_attention_layernorm"),
             "attn": attn,
             "mlp": {"up": linear(ck, h + "mlp.dense_h_to_4h", D, F, True, True),
-                    "down": linear(ck, h + "mlp.dense_4h_to_h", F, D, True, True)}}
+                    "down": linear(ck, h + "mlp.dense_4h_to_h", F, D, True, True)}})
+    p["blocks"] = stacked_layers(layers)
     p["ln_f"] = norm("final_layer_norm")
     if not m.tie_embeddings:  # Hub files call it embed_out; transformers 5 may write lm_head
         name = "embed_out.weight" if ck.has("embed_out.weight", prefixed=False) else "lm_head.weight"
@@ -625,7 +631,7 @@ def gpt2_tensors(model: gpt.GPT, params: Dict[str, Any]) -> Dict[str, np.ndarray
     tensors = {"wte.weight": params["wte"]["embedding"], "wpe.weight": params["wpe"]["embedding"],
                "ln_f.weight": params["ln_f"]["scale"], "ln_f.bias": params["ln_f"]["bias"]}
     for i in range(model.n_layers):
-        b, h = params[f"blocks_{i}"], f"h.{i}."
+        b, h = jax.tree.map(lambda x: x[i], params["blocks"]), f"h.{i}."
         attn = b["attn"]
         tensors.update({
             h + "ln_1.weight": b["ln_1"]["scale"], h + "ln_1.bias": b["ln_1"]["bias"],

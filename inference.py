@@ -709,14 +709,16 @@ class InferenceJob:
         """The rollout and the rows' sample ids, of these rows only (every array with a batch
         dimension; the step, the cache's slot and its shared prefix are the batch's), the
         batch split over the mesh's "batch" axis as before."""
-        def take(x: jax.Array) -> jax.Array:
-            return jax.lax.with_sharding_constraint(x[rows_R], self.batch_split(x.ndim, 0)) if x.ndim else x
+        def take(x: jax.Array, axis: int = 0) -> jax.Array:  # the cache's keys and values: rows on axis 1
+            if not x.ndim:
+                return x
+            taken = x[(slice(None),) * axis + (rows_R,)]
+            return jax.lax.with_sharding_constraint(taken, self.batch_split(x.ndim, axis))
 
         cache = rollout.cache
-        rows_only = rollout._replace(cache=cache._replace(prefix_keys=(), prefix_values=()))
-        rollout, ids_B = jax.tree.map(take, (rows_only, ids_B))
-        shared = dict(prefix_keys=cache.prefix_keys, prefix_values=cache.prefix_values)
-        return rollout._replace(cache=rollout.cache._replace(**shared)), ids_B
+        rollout, ids_B = jax.tree.map(take, (rollout._replace(cache=None), ids_B))
+        cache = cache._replace(keys=take(cache.keys, 1), values=take(cache.values, 1), valid_BS=take(cache.valid_BS))
+        return rollout._replace(cache=cache), ids_B
 
     def _generator(self, n_new: int, temperature: float, top_p: float) -> Tuple[Callable, Callable, Callable]:
         """(start, advance, refill), jitted once per decoding setting: start prefills a batch

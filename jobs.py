@@ -48,15 +48,23 @@ import gpt
 # weight is converted up front: the forward pass holds a float32 copy of the whole model
 # (a 2.7 GiB model peaked at 8.6 GiB). Its memory-minimizing scheduler converts each weight
 # where it is used (3.7 GiB peak), but decodes a float32 model more slowly, so the command
-# line chooses it for models in other dtypes only (evaluate.start_processes).
+# line chooses it for models in other dtypes only (evaluate.start_processes). Its loop-invariant
+# code motion would still convert every layer at once: the layers are one loop (gpt.GPT's scan)
+# over stacked weights, whose conversion it hoists out of the loop, so it stays off there too.
 CPU_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler"
+LOOP_HOISTING_FLAG = "--xla_disable_hlo_passes"
 
 
 def lean_cpu_schedules() -> None:
-    """Have XLA's CPU backend schedule for memory. XLA reads XLA_FLAGS once, when its first
-    backend starts, so this comes before anything touches a device; the user's own setting wins."""
-    if CPU_SCHEDULER_FLAG not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_SCHEDULER_FLAG}=false".strip()
+    """Have XLA's CPU backend schedule for memory, converting each layer's weights in its turn.
+    XLA reads XLA_FLAGS once, when its first backend starts, so this comes before anything
+    touches a device; the user's own settings win."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if CPU_SCHEDULER_FLAG not in flags:
+        flags = f"{flags} {CPU_SCHEDULER_FLAG}=false"
+    if LOOP_HOISTING_FLAG not in flags:
+        flags = f"{flags} {LOOP_HOISTING_FLAG}=while-loop-invariant-code-motion"
+    os.environ["XLA_FLAGS"] = flags.strip()
 
 
 T = TypeVar("T")
