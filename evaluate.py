@@ -39,7 +39,7 @@ from inference import (MIN_TEMPERATURE, GenerationRequest, InferenceJob, Request
 from checkpoints import Node, load_native, model_config
 from jobs import (MAX_SEED, ByteTokenizer, ExecutionSpec, UsageError, builtin_items, exit_status,
                   is_checkpoint_file, is_eval_item, job, lean_cpu_schedules, option, parse_options, short)
-from runs import (JOURNAL_FILE, KINDS, Journal, JsonlDataset, journaling, out_dir_held, previous_run,
+from runs import (JOURNAL_FILE, KINDS, Journal, JsonlDataset, compile_log, journaling, out_dir_held, previous_run,
                   run_fingerprint)
 from tasks import LM_EVAL, check_task_options, run_tasks
 
@@ -466,6 +466,7 @@ class Evaluator(InferenceJob):
     def __init__(self, spec: ExecutionSpec, base: Optional[Node] = None, parts: Optional[Parts] = None,
                  evaluations: Optional[List[Evaluation]] = None):
         self.spec, self.base = spec, base
+        self.compiled_from = len(compile_log().events)  # the programs this evaluator builds, for results.json
         self.cfg: EvaluatorConfig = spec.cfg or EvaluatorConfig()
         if parts is None and base is None and self.cfg.ckpt:  # `python jobs.py KEY --ckpt ...` gives no base
             self.base = resolve_checkpoint(self.cfg.ckpt, say_on_process_0)
@@ -615,6 +616,7 @@ class Evaluator(InferenceJob):
             "hub": self.base.hub if self.base is not None else None,
             "mesh": dict(self.mesh.shape), "processes": jax.process_count(),
             "config": dataclasses.asdict(self.cfg), "seconds": round(seconds, 3),
+            "programs": compile_log().programs(self.compiled_from),
             "versions": {"jax": jax.__version__, "python": sys.version.split()[0]},
         }
 

@@ -2,7 +2,7 @@
 fingerprint), what --out already holds of it, the journal that lets a killed run resume,
 and the JSONL files it reads, checked line by line.
 
-Reading order: the fingerprint -> the output directory (held by one run at a time; this
+Reading order: the programs compiled (CompileLog) -> the fingerprint -> the output directory (held by one run at a time; this
 run finished already, or another's) -> the journal (the inference core's finished windows,
 each a checksummed record, read back by a resumed run) -> JSONL datasets and their checks.
 evaluate.Evaluator.run is where they are used; none of them changes what the inference
@@ -10,6 +10,7 @@ core plans or computes.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import hashlib
@@ -28,6 +29,59 @@ from jax.experimental import multihost_utils
 from checkpoints import Node, model_config, to_host
 from jobs import (ExecutionSpec, UsageError, checkpoint_files, file_digest, open_regular, read_json, short,
                   signals_held, write_atomic)
+
+# ----------------------------------------------------------------------------- programs compiled
+
+
+class CompileLog:
+    """Every XLA program this process builds, as jax.monitoring reports it: each compiled, or
+    loaded from the persistent compilation cache (a cache hit, then its compile event), with
+    the seconds its tracing, lowering and compiling (or loading) took. It observes only."""
+
+    BACKEND = "/jax/core/compile/backend_compile_duration"
+    STAGES = (BACKEND, "/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration")
+    CACHE_HIT = "/jax/compilation_cache/cache_hits"
+
+    def __init__(self) -> None:
+        self.events: List[Tuple[str, str, float, bool]] = []  # (event, function name, seconds, loaded)
+        self.hits = 0  # cache hits whose compile event has not come yet
+        jax.monitoring.register_event_listener(self._hit)
+        jax.monitoring.register_event_duration_secs_listener(self._record)
+
+    def _hit(self, event: str, **meta: Any) -> None:
+        self.hits += event == self.CACHE_HIT
+
+    def _record(self, event: str, seconds: float, **meta: Any) -> None:
+        if event in self.STAGES:
+            loaded = event == self.BACKEND and self.hits > 0
+            self.hits -= loaded
+            self.events.append((event, meta.get("fun_name", "?"), seconds, loaded))
+
+    def since(self, mark: int) -> Dict[str, Any]:
+        """The programs since events[mark]: how many were compiled (their names, in order) and
+        loaded, and the seconds all of them took to trace, lower and compile or load."""
+        new = self.events[mark:]
+        names = [name for event, name, _, loaded in new if event == self.BACKEND and not loaded]
+        return {"compiles": len(names), "names": names, "loaded": sum(loaded for *_, loaded in new),
+                "seconds": sum(seconds for _, _, seconds, _ in new)}
+
+    def programs(self, mark: int) -> Dict[str, Any]:
+        """since(mark) as results.json records it: counts, seconds, and each program's name
+        with how many times it was compiled."""
+        new = self.since(mark)
+        return {"compiled": new["compiles"], "loaded": new["loaded"], "seconds": round(new["seconds"], 3),
+                "by_name": dict(collections.Counter(new["names"]))}
+
+
+_COMPILE_LOG: List[CompileLog] = []
+
+
+def compile_log() -> CompileLog:
+    """This process's CompileLog, listening from the first call on (jax keeps listeners for good)."""
+    if not _COMPILE_LOG:
+        _COMPILE_LOG.append(CompileLog())
+    return _COMPILE_LOG[0]
+
 
 # ----------------------------------------------------------------------------- fingerprint
 # A run's fingerprint is what it computes: the weights, each evaluation's data, every option
