@@ -81,6 +81,7 @@ import jax.numpy as jnp
 import numpy as np
 import transformers
 from safetensors import safe_open
+from safetensors.numpy import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 try:  # only the side-by-side run needs torch; --limits runs without it
@@ -94,6 +95,7 @@ import inference
 from hf import load_backbone
 from checkpoints import SAFETENSORS_DTYPES
 from jobs import ByteTokenizer, ExecutionSpec, UsageError, exit_status, option, parse_options, write_atomic
+from runs import CompileLog, compile_log
 
 
 @dataclasses.dataclass
@@ -152,6 +154,11 @@ class BenchConfig:
                                                                    "answers --make-fixture writes for them")
     make_fixture: str = option("", "write a small model, data and this machine's answers to this directory "
                                    "(for --gpu-report --fixture)")
+    runs_model: str = option("smollm2", "--gpu-report's runs part: the random Llama of REPORT_MODELS that "
+                                        "evaluate.py runs on (smollm2, or tiny for a dry run)")
+    runs_workloads: str = option("default,mc,ppl,gen", "--gpu-report's runs part: the workloads of RUNS, in order")
+    runs_items: int = option(273, "--make-fixture: multiple-choice questions and prompts of the runs part "
+                                  "(its prose paragraphs: 101)")
 
 
 # ----------------------------------------------------------------------------- timing
@@ -175,38 +182,6 @@ def race(contenders: Dict[str, Callable[[], Any]], reps: int, log: CompileLog) -
     for r in out.values():
         r.update(best=min(r["times"]), median=statistics.median(r["times"]))
     return out
-
-
-class CompileLog:
-    """Every XLA compilation jax reports (through jax.monitoring), with its durations. A
-    program loaded from a persistent compilation cache (where the user set one) is reported
-    as a compilation too, after its cache hit: those are not counted (as OUR_SIDE does)."""
-
-    BACKEND = "/jax/core/compile/backend_compile_duration"
-    STAGES = (BACKEND, "/jax/core/compile/jaxpr_trace_duration",
-              "/jax/core/compile/jaxpr_to_mlir_module_duration")
-    CACHE_HIT = "/jax/compilation_cache/cache_hits"
-
-    def __init__(self) -> None:
-        self.events: List[tuple] = []  # (event, function name, seconds)
-        self.hits = 0  # cache hits whose compile event has not come yet
-        jax.monitoring.register_event_listener(self._hit)
-        jax.monitoring.register_event_duration_secs_listener(self._record)
-
-    def _hit(self, event: str, **meta: Any) -> None:
-        self.hits += event == self.CACHE_HIT
-
-    def _record(self, event: str, seconds: float, **meta: Any) -> None:
-        if event == self.BACKEND and self.hits:
-            self.hits -= 1
-        elif event in self.STAGES:
-            self.events.append((event, meta.get("fun_name", "?"), seconds))
-
-    def since(self, mark: int) -> Dict[str, Any]:
-        """Compilations since events[mark]: count, names, and trace+lower+compile seconds."""
-        new = self.events[mark:]
-        names = [name for event, name, _ in new if event == self.BACKEND]
-        return {"compiles": len(names), "names": names, "seconds": sum(s for _, _, s in new)}
 
 
 # ----------------------------------------------------------------------------- compilation
@@ -311,9 +286,8 @@ def bare_loglik(params: Any, tokens_BT: jax.Array, targets_BT: jax.Array, n_head
     wte_VD = params["wte"]["embedding"]
     x_BTD = wte_VD[tokens_BT] + params["wpe"]["embedding"][:T][None]
     causal_TS = jnp.tril(jnp.ones((T, T), bool))
-    n_layers = sum(name.startswith("blocks_") for name in params)
-    for i in range(n_layers):
-        p = params[f"blocks_{i}"]
+    for i in range(params["blocks"]["ln_1"]["scale"].shape[0]):
+        p = jax.tree.map(lambda x: x[i], params["blocks"])
         h_BTD = norm(x_BTD, p["ln_1"])
         q_BTHE, k_BSHE, v_BSHE = (dense(h_BTD, p["attn"][n]).reshape(B, T, n_head, -1) for n in "qkv")
         s_BHTS = jnp.einsum("bthe,bshe->bhts", q_BTHE, k_BSHE) / np.sqrt(q_BTHE.shape[-1])
@@ -384,14 +358,17 @@ def bench_scoring(cfg: BenchConfig, model, variables, mesh, hf, log: CompileLog,
                   "bare_jax": lambda: bare(variables["params"], x, y)}
     if cfg.family != "gpt2":  # the bare forward is written for GPT-2 only
         del contenders["bare_jax"]
+    if hf is None:  # no torch here (a TPU machine): the project's own scorers, against its evaluation
+        del contenders["transformers"]
+    reference = "transformers" if hf is not None else "project"
     for name, fn in (more or {}).items():
         contenders[name] = lambda fn=fn: fn(variables, x, y)
     out = race({**contenders, **matmul_contenders(sizes, gpt.dtype_of(cfg.dtype))}, cfg.reps, log)
     peak = matmul_peak(out, sizes)
     sums = {name: float(np.sum(np.asarray(r.pop("out"), np.float64))) for name, r in out.items()}
     for name, value in sums.items():
-        rel = abs(value - sums["transformers"]) / abs(sums["transformers"])
-        assert rel < tolerance(cfg), f"summed log-likelihood: {name} {value} vs transformers {sums['transformers']}"
+        rel = abs(value - sums[reference]) / abs(sums[reference])
+        assert rel < tolerance(cfg), f"summed log-likelihood: {name} {value} vs {reference} {sums[reference]}"
         out[name].update(loglik=value, rel_diff=rel)
     flops = model.bind(variables).flops(cfg.seq) / 3 * cfg.batch  # forward only
     for r in out.values():
@@ -467,9 +444,12 @@ def decode_floors(variables: Any, rows: int, seed: int) -> Dict[str, Callable[[]
     once; how fast the backend's matmul streams them for a few rows is a property of its
     GEMM, not of this project."""
     leaves = jax.tree_util.tree_leaves_with_path(variables["params"])
-    # (matrix, its contracted axis): kernels are [in, out]; the embedding unembeds as x @ wte.T
-    matrices = [(w, 0 if "kernel" in jax.tree_util.keystr(path) else 1) for path, w in leaves
-                if w.ndim == 2 and "wpe" not in jax.tree_util.keystr(path)]
+    # (matrix, its contracted axis): kernels are [in, out], the layers' stacked [L, in, out];
+    # the embedding unembeds as x @ wte.T
+    matrices = [(w, 0 if "kernel" in jax.tree_util.keystr(path) else 1) for path, stack in leaves
+                if stack.ndim in (2, 3) and "wpe" not in jax.tree_util.keystr(path)
+                and (stack.ndim == 2 or "kernel" in jax.tree_util.keystr(path))
+                for w in (list(stack) if stack.ndim == 3 else [stack])]
     weights, axes = zip(*matrices)  # the axes stay Python ints: jit traces only the weights
     dtype = weights[0].dtype
     x_RK = jax.random.normal(jax.random.key(seed), (rows, max(w.shape[axis] for w, axis in matrices)), dtype)
@@ -1090,9 +1070,9 @@ def shapes_table(cfg: BenchConfig, r: Dict[str, Any]) -> str:
 # the report is made from whatever is there. `--make-fixture DIR`, on the CPU beforehand,
 # writes the model, data and this CPU's answers that the parity part compares the GPU's with.
 
-NOMINAL = {  # nvidia-smi's name -> (dense bf16 FLOP/s, HBM bytes/s), from the vendor's sheets
+NOMINAL = {  # nvidia-smi's name, or jax's device kind -> (dense bf16 FLOP/s, HBM bytes/s), from the vendor's sheets
     "NVIDIA H200": (989e12, 4.8e12), "NVIDIA H200 NVL": (835e12, 4.8e12),
-    "NVIDIA H100 80GB HBM3": (989e12, 3.35e12)}
+    "NVIDIA H100 80GB HBM3": (989e12, 3.35e12), "TPU v5 lite": (197e12, 819e9)}
 
 REPORT_MODELS = {  # a model part's name -> its shape, random weights
     "smollm2": dict(family="llama", layers=30, width=576, heads=9, kv_heads=3, mlp_hidden=1536, vocab=49152),
@@ -1114,10 +1094,14 @@ def parity_runs(cfg: BenchConfig) -> List[str]:
 
 def report_parts(cfg: BenchConfig) -> List[str]:
     parts = cfg.report_parts.split(",")
-    unknown = [p for p in parts if p not in ("device", "ceilings", "parity", "shapes", *REPORT_MODELS)]
+    unknown = [p for p in parts if p not in ("device", "ceilings", "parity", "runs", "shapes", *REPORT_MODELS)]
     if unknown:
-        raise UsageError(f"--report-parts: unknown {unknown[0]!r}; choose from device, ceilings, parity, shapes, "
-                         + ", ".join(REPORT_MODELS))
+        raise UsageError(f"--report-parts: unknown {unknown[0]!r}; choose from device, ceilings, parity, runs, "
+                         "shapes, " + ", ".join(REPORT_MODELS))
+    if "runs" in parts and not (Path(cfg.fixture) / "runs" / "tokenizer").is_dir():
+        raise UsageError(f"--fixture {cfg.fixture!r} holds no runs/: make one with --make-fixture DIR on a CPU")
+    if "runs" in parts and cfg.runs_model not in REPORT_MODELS:
+        raise UsageError(f"--runs-model: unknown {cfg.runs_model!r}; choose from {', '.join(REPORT_MODELS)}")
     if "parity" in parts and not (Path(cfg.fixture) / "args.json").is_file():
         raise UsageError(f"--fixture {cfg.fixture!r} holds no fixture: make one with --make-fixture DIR on a CPU")
     missing = [r for r in parity_runs(cfg) if not (Path(cfg.fixture) / f"cpu-{PARITY_RUNS[r][0]}").is_dir()]
@@ -1166,7 +1150,7 @@ def gpu_report(cfg: BenchConfig, argv: List[str], say: Callable[[str], None]) ->
 
 def report_part(cfg: BenchConfig, say: Callable[[str], None]) -> None:
     """One part, in this process, its results written to REPORT_DIR/PART.json as they come."""
-    part, log = cfg.report_part, CompileLog()
+    part, log = cfg.report_part, compile_log()
     path = Path(cfg.report_dir) / f"{part}.json"
     write = lambda result: write_atomic(path, json.dumps(result, indent=1, default=float).encode())
     if part == "device":
@@ -1177,6 +1161,8 @@ def report_part(cfg: BenchConfig, say: Callable[[str], None]) -> None:
         parity(cfg, write, say)
     elif part == "shapes":
         report_shapes(cfg, write, say)
+    elif part == "runs":
+        report_runs(cfg, write, say)
     else:
         report_model(cfg, part, write, say, log)
 
@@ -1247,6 +1233,7 @@ def make_fixture(cfg: BenchConfig, say: Callable[[str], None]) -> Dict[str, Any]
     save_llama(small, vocab, transformers.AutoTokenizer.from_pretrained(folder / "model").eos_token_id,
                folder / "model")
     (folder / "args.json").write_text(json.dumps(args))
+    runs_fixture(cfg, paragraphs, folder / "runs")
     for dtype in sorted({PARITY_RUNS[name][0] for name in parity_runs(cfg)}):
         say(f"this CPU's answers in {dtype}")
         evaluate_fixture(folder, dtype, None, folder / f"cpu-{dtype}")
@@ -1294,6 +1281,119 @@ def parity(cfg: BenchConfig, write: Callable[[Any], None], say: Callable[[str], 
                                                               fixture / f"cpu-{dtype}" / "samples.jsonl")}
         shutil.rmtree(out, ignore_errors=True)
         write(result)
+
+
+# --- whole runs of the command line on the device, first and again: what compiling costs
+
+
+RUNS = {  # workload -> evaluate.py's arguments on the runs model (None: `python evaluate.py`, fresh weights)
+    "default": None,
+    "mc": ["--data", "mc:data/mmlu.jsonl"],
+    "ppl": ["--data", "ppl:data/prose.jsonl"],
+    "gen": ["--data", "gen:data/prompts.jsonl", "--max-new-tokens", "32"],
+}
+
+
+def runs_fixture(cfg: BenchConfig, paragraphs: List[str], folder: Path) -> None:
+    """The runs part's tokenizer (trained here: the device has no network) and its --data:
+    --runs-items MMLU-style questions (0-shot, lm-eval's prompt, four one-token choices) as
+    multiple choice and as prompts to answer, and 101 prose paragraphs to score."""
+    rng, lines = np.random.default_rng(cfg.seed), sentences(paragraphs[: len(paragraphs) // 2])
+    questions = []
+    for doc in mmlu_docs(rng, lines, cfg.runs_items):
+        options = "".join(f"\n{letter}. {choice}" for letter, choice in zip("ABCD", doc["choices"]))
+        questions.append((f"{doc['question'].strip()}{options}\nAnswer:", doc["answer"]))
+    texts = {"mmlu": [{"context": q, "choices": [" A", " B", " C", " D"], "gold": gold} for q, gold in questions],
+             "prompts": [{"prompt": q, "answer": " " + "ABCD"[gold]} for q, gold in questions],
+             "prose": [{"text": p} for p in paragraphs[len(paragraphs) // 2:][:101]]}
+    (folder / "data").mkdir(parents=True, exist_ok=True)
+    for name, rows in texts.items():
+        (folder / "data" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    train_tokenizer(paragraphs + [q for q, _ in questions], REPORT_MODELS[cfg.runs_model]["vocab"], folder / "tokenizer")
+
+
+def write_llama(shape: Dict[str, Any], tokenizer: Path, path: Path, seed: int, init_std: float) -> None:
+    """A Llama of REPORT_MODELS' `shape`, random weights, as a HuggingFace directory written
+    with numpy (no torch: the device has none), with the tokenizer of `tokenizer`."""
+    shutil.copytree(tokenizer, path)
+    eot = transformers.AutoTokenizer.from_pretrained(tokenizer).eos_token_id
+    shape = dict(shape, vocab=max(shape["vocab"], len(transformers.AutoTokenizer.from_pretrained(tokenizer))))
+    D, F, L, H, K = shape["width"], shape["mlp_hidden"], shape["layers"], shape["heads"], shape["kv_heads"]
+    E = D // H
+    transformers.LlamaConfig(vocab_size=shape["vocab"], hidden_size=D, intermediate_size=F, num_hidden_layers=L,
+                             num_attention_heads=H, num_key_value_heads=K, max_position_embeddings=2048,
+                             tie_word_embeddings=True, rope_theta=100000.0, bos_token_id=eot,
+                             eos_token_id=eot).save_pretrained(path)
+    rng = np.random.default_rng(seed)
+    normal = lambda *shape: (init_std * rng.standard_normal(shape, np.float32)).astype(np.float32)
+    tensors = {"model.embed_tokens.weight": normal(shape["vocab"], D), "model.norm.weight": np.ones(D, np.float32)}
+    for i in range(L):
+        h = f"model.layers.{i}."
+        tensors.update({h + "input_layernorm.weight": np.ones(D, np.float32),
+                        h + "post_attention_layernorm.weight": np.ones(D, np.float32),
+                        h + "self_attn.q_proj.weight": normal(H * E, D), h + "self_attn.k_proj.weight": normal(K * E, D),
+                        h + "self_attn.v_proj.weight": normal(K * E, D), h + "self_attn.o_proj.weight": normal(D, H * E),
+                        h + "mlp.gate_proj.weight": normal(F, D), h + "mlp.up_proj.weight": normal(F, D),
+                        h + "mlp.down_proj.weight": normal(D, F)})
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def timed_run(args: List[str], out: Path, cache: Path) -> Dict[str, Any]:
+    """`python evaluate.py ARGS` as a user runs it, a process of its own with its persistent
+    compilation cache in `cache` (the default one, under XDG_CACHE_HOME): its wall seconds,
+    and what its results.json says it computed and built."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT"))}
+    env.update(XDG_CACHE_HOME=str(cache), GPT_EVAL_COMPILE_CACHE="1")
+    for attempt in range(2):  # a TPU can refuse a process that starts just as the last one ends: once more
+        started = time.perf_counter()
+        proc = subprocess.run([sys.executable, str(Path(__file__).resolve().parent / "evaluate.py"), *args, "--out",
+                               str(out), "--quiet"], capture_output=True, text=True, env=env, cwd=out.parent)
+        seconds = time.perf_counter() - started
+        if proc.returncode == 0 or "libtpu" not in proc.stderr or attempt:
+            break
+        time.sleep(5)
+    if proc.returncode != 0:
+        raise RuntimeError(f"evaluate.py {' '.join(args)}: {proc.stderr[-2000:]}")
+    results = json.loads((out / "results.json").read_text())
+    return {"seconds": seconds, "programs": results["programs"], "results": results["results"],
+            "run_seconds": results["seconds"]}
+
+
+def report_runs(cfg: BenchConfig, write: Callable[[Any], None], say: Callable[[str], None]) -> None:
+    """Each workload of --runs-workloads through evaluate.py on --runs-model's random Llama in
+    --dtype at --batch: a first run with an empty compilation cache, then the same again with
+    the programs the first left there; wall seconds, programs built and their seconds."""
+    shape, fixture = REPORT_MODELS[cfg.runs_model], Path(cfg.fixture).resolve() / "runs"
+    workdir = Path(tempfile.mkdtemp(prefix="bench-report-runs-"))
+    shutil.copytree(fixture / "data", workdir / "data")
+    say(f"runs: writing the random {cfg.runs_model} Llama")
+    write_llama(shape, fixture / "tokenizer", workdir / "model", cfg.seed, 0.02)
+    result: Dict[str, Any] = {"model": cfg.runs_model, "shape": shape, "dtype": cfg.dtype, "batch": cfg.batch,
+                              "workloads": {}}
+    for name in cfg.runs_workloads.split(","):
+        args = RUNS[name] and ["--ckpt", "model", *RUNS[name], "--batch-size", str(cfg.batch), "--dtype", cfg.dtype]
+        runs = {}
+        for attempt in ("first", "second"):
+            say(f"runs: {name}, {attempt} run")
+            runs[attempt] = timed_run(args or [], workdir / f"{name}-{attempt}", workdir / f"{name}-cache")
+        result["workloads"][name] = runs
+        write(result)
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+def runs_report_table(r: Dict[str, Any]) -> List[str]:
+    shape = r["shape"]
+    lines = [f"whole runs of evaluate.py: {r['model']} ({shape['layers']} layers, {shape['width']} wide), random "
+             f"weights, {r['dtype']}, batch {r['batch']}; a first run (empty compilation cache), then again",
+             f"  {'workload':9s} {'first s':>8s} {'programs':>8s} {'compile s':>9s} {'again s':>8s} {'loaded':>6s} "
+             f"{'load s':>7s}  programs compiled"]
+    for name, w in r["workloads"].items():
+        first, second = w["first"], w["second"]
+        lines.append(f"  {name:9s} {first['seconds']:8.1f} {first['programs']['compiled']:8d} "
+                     f"{first['programs']['seconds']:9.1f} {second['seconds']:8.1f} {second['programs']['loaded']:6d} "
+                     f"{second['programs']['seconds']:7.1f}  " + ", ".join(
+                         f"{n.removeprefix('jit(').removesuffix(')')} {k}" for n, k in first["programs"]["by_name"].items()))
+    return lines
 
 
 # --- a model's scoring and decoding, beside transformers on the same device
@@ -1405,10 +1505,15 @@ def report_model(cfg: BenchConfig, name: str, write: Callable[[Any], None], say:
     with this project's plain jitted forward beside), then decoding at each of
     --decode-batches, then transformers' compiled static cache at the middle one."""
     c = dataclasses.replace(cfg, **REPORT_MODELS[name])
-    with tempfile.TemporaryDirectory(prefix="bench-report-") as path:
-        say(f"{name}: making and loading the random model")
-        save_hf_model(c, path)
-        model, variables, mesh, hf = load_models(c, path)
+    if torch is None:  # this project alone (a TPU machine): its own random weights, made on the mesh
+        say(f"{name}: making the random model (no torch here: no transformers beside it)")
+        model, mesh, hf = project_model(c), gpt.make_mesh(), None
+        variables = gpt.init_params(model, mesh, seed=c.seed)
+    else:
+        with tempfile.TemporaryDirectory(prefix="bench-report-") as path:
+            say(f"{name}: making and loading the random model")
+            save_hf_model(c, path)
+            model, variables, mesh, hf = load_models(c, path)
     result = {"name": name, "shape": REPORT_MODELS[name], "params": gpt.count_params(variables),
               "param_bytes": nbytes(variables), "dtype": c.dtype, "seq": c.seq, "batch": c.batch,
               "prompt": c.prompt, "new_tokens": c.new_tokens, "decoding": []}
@@ -1482,6 +1587,8 @@ def gpu_report_table(cfg: BenchConfig, r: Dict[str, Any]) -> str:
     for name in REPORT_MODELS:
         if name in g:
             lines += ["", *model_report_table(g[name], peak, ceiling, memory)]
+    if "runs" in g:
+        lines += ["", *runs_report_table(g["runs"])]
     if "shapes" in g:
         lines += ["", *shapes_report_table(cfg, g["shapes"])]
     lines += ["", "parts: " + ", ".join(f"{p} {x['status']} ({x['seconds']:.0f} s)" for p, x in g["parts"].items()),
@@ -1501,12 +1608,14 @@ def model_report_table(m: Dict[str, Any], peak: float, ceiling: Optional[Dict[st
                   f"    {'':36s} {'s':>7s} {'TFLOP/s':>8s} {'of peak':>8s} {'of GEMM':>8s} {'vs hf':>6s}"]
         names = {"project": "the evaluation (PerplexityEvaluation)", "forward": "its jitted forward alone",
                  "transformers": "transformers (sdpa)"}
+        hf = s["transformers"]["best"] if "transformers" in s else float("nan")
         for key, label in names.items():
-            x = s[key]
-            lines.append(f"    {label:36s} {x['best']:7.4f} {x['flops_per_s'] / 1e12:8.1f} {x['flops_per_s'] / peak:8.1%} "
-                         f"{x['flops_per_s'] / gemm:8.1%} {s['transformers']['best'] / x['best']:6.2f}")
+            if key in s:
+                x = s[key]
+                lines.append(f"    {label:36s} {x['best']:7.4f} {x['flops_per_s'] / 1e12:8.1f} "
+                             f"{x['flops_per_s'] / peak:8.1%} {x['flops_per_s'] / gemm:8.1%} {hf / x['best']:6.2f}")
         lines.append(f"    summed log-likelihoods within {max(s['project']['rel_diff'], s['forward']['rel_diff']):.1e} "
-                     "of transformers'")
+                     + ("of transformers'" if "transformers" in s else "of the evaluation's (no transformers here)"))
     if m["decoding"]:
         lines += [f"  greedy decoding, {m['prompt']}-token prompts, {m['new_tokens']} new tokens; ms per step "
                   "(less the prefill):",
@@ -1825,7 +1934,7 @@ def bench(argv: List[str]) -> None:
     started = time.perf_counter()
     say = lambda text: print(f"[{time.perf_counter() - started:5.0f} s] {text}", file=sys.stderr, flush=True)
     say(f"bench {dataclasses.asdict(cfg)}")
-    log = CompileLog()
+    log = compile_log()
     results: Dict[str, Any] = {"config": dataclasses.asdict(cfg), "load": [os.getloadavg()[0]],
                                "measured_on": measured_on()}
     if cfg.report_part:

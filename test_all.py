@@ -3822,12 +3822,17 @@ def test_bench_gpu_report_dry_run(tmp_path):
     the CPU's own, bit for bit; the model part's scorers agree with transformers and its
     greedy tokens with gpt.generate. (The shapes part runs --shapes' own workload function,
     tested above.)"""
-    fixture = tmp_path / "fixture"
-    assert bench("--make-fixture", fixture, "--parity-runs", "float32")["fixture"]["vocab"] > 256
-    r = bench("--gpu-report", "--report-parts", "device,ceilings,parity,tiny", "--fixture", fixture,
-              "--parity-runs", "float32", "--decode-batches", "2", "--report-dir", tmp_path / "report")["gpu_report"]
+    fixture, runs = tmp_path / "fixture", ["--runs-model", "tiny", "--runs-items", "8", "--runs-workloads", "mc,gen"]
+    assert bench("--make-fixture", fixture, "--parity-runs", "float32", *runs)["fixture"]["vocab"] > 256
+    r = bench("--gpu-report", "--report-parts", "device,ceilings,parity,tiny,runs", "--fixture", fixture,
+              "--parity-runs", "float32", "--decode-batches", "2", "--report-dir", tmp_path / "report",
+              *runs)["gpu_report"]
     assert [(p, x["status"]) for p, x in r["parts"].items()] == [
-        (p, "ok") for p in ("device", "ceilings", "parity", "tiny")]
+        (p, "ok") for p in ("device", "ceilings", "parity", "tiny", "runs")]
+    for w in r["runs"]["workloads"].values():  # the command line run twice: built, then loaded from the cache
+        first, second = w["first"], w["second"]
+        assert first["programs"]["compiled"] > 0 and second["programs"] == {**second["programs"], "compiled": 0}
+        assert second["programs"]["loaded"] >= first["programs"]["compiled"] and first["results"] == second["results"]
     assert r["device"]["backend"] == "cpu" and r["ceilings"]["gemm"]["flops_per_s"] > 0
     p = r["parity"]["float32"]
     assert p["max_rel"] == 0 and p["log_likelihoods"] == 24 + 4 * 32
@@ -5497,3 +5502,19 @@ def test_lm_eval_tasks_that_cannot_run_fail_with_one_line(hf_gpt2, tmp_path):
                         env={"TQDM_DISABLE": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"})
     for (_, needles), proc in zip(cases, outcomes):
         assert_usage_error(proc, *needles, out=tmp_path / "o")
+
+
+def core_tests() -> list:
+    """The device-independent core of the suite, as pytest node ids: the model layer, the
+    harness, the fast path against the simple one and parity with transformers (the sections
+    before lm-eval's), which run in this process on its default backend (a mesh beyond its
+    devices skips)."""
+    tree = ast.parse(Path(__file__).read_text())
+    end = next(i for i, line in enumerate(Path(__file__).read_text().splitlines(), 1)
+               if line.startswith("# ---- scoring conventions against lm-evaluation-harness"))
+    return [f"{Path(__file__).name}::{node.name}" for node in tree.body
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_") and node.lineno < end]
+
+
+if __name__ == "__main__":  # python -m pytest -q $(python test_all.py --core): the core on an accelerator
+    print("\n".join(core_tests()) if sys.argv[1:] == ["--core"] else __doc__)
