@@ -577,7 +577,14 @@ def layer_by_layer(model, variables, idx, mask, cache=None, fresh=False, jit=jax
     unscanned Block applied to its own slice of the stacked parameters, where GPT.decode
     scans: (logits [B, T, V], each layer's hidden states [L, B, T, D], the cache or None).
     Each part is a program of its own (jit), as each layer is the scan's body: one program
-    of them all would let XLA fuse across layers and round differently (fused multiply-adds)."""
+    of them all would let XLA fuse across layers and round differently (fused multiply-adds).
+    At the precision GPT's methods take (gpt.float32_in_full: a float32 model's is full)."""
+    full = jnp.dtype(model.adtype) == jnp.float32
+    with jax.default_matmul_precision("highest" if full else None):
+        return loop_over_layers(model, variables, idx, mask, cache, fresh, jit)
+
+
+def loop_over_layers(model, variables, idx, mask, cache, fresh, jit):
     def start(m, idx, mask, cache):
         B, T = idx.shape
         count = 0 if cache is None else cache.prefix_length + cache.valid_BS.sum(-1)[:, None]
