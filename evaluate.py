@@ -37,7 +37,7 @@ from hf import load_backbone, load_model, resolve_checkpoint  # load_backbone: t
 from inference import (MIN_TEMPERATURE, GenerationRequest, InferenceJob, RequestError,
                        Request, Scored, per_document)
 from checkpoints import Node, load_native, model_config
-from jobs import (MAX_SEED, ByteTokenizer, ExecutionSpec, UsageError, builtin_items, exit_status,
+from jobs import (ByteTokenizer, ExecutionSpec, ModelOptions, UsageError, builtin_items, exit_status,
                   is_checkpoint_file, is_eval_item, job, lean_cpu_schedules, option, parse_options, short)
 from runs import (JOURNAL_FILE, KINDS, Journal, JsonlDataset, journaling, out_dir_held, previous_run,
                   run_fingerprint)
@@ -389,8 +389,11 @@ def builtin_dataset(name: str, size: int) -> List[Dict[str, Any]]:
 
 
 @dataclasses.dataclass
-class EvaluatorConfig:
-    """Options of `python evaluate.py` (the jobs gpt/evaluate and backbone/evaluate)."""
+class EvaluatorConfig(ModelOptions):
+    """Options of `python evaluate.py` (the jobs gpt/evaluate and backbone/evaluate).
+
+    ModelOptions' come first (--batch-size, --mesh, --seed, --dtype, --chunks): lm-eval's
+    model_args share them and their checks (tasks.ModelArgs)."""
 
     ckpt: Optional[str] = option(None, "checkpoint directory: native (python train.py) or HuggingFace; "
                                        "none: fresh default GPT weights")
@@ -398,8 +401,6 @@ class EvaluatorConfig:
                                         "repeat); default: all of them without --data or --tasks")
     data: List[str] = option([], "KIND:FILE, a JSONL dataset of kind ppl, mc, gen or acc (repeatable)")
     out: str = option("runs/eval", "output directory for results.json (and samples.jsonl, lm_eval/)")
-    batch_size: int = option(8, "sequences per forward pass, rounded up to a multiple of the data-parallel size")
-    mesh: Optional[str] = option(None, "device mesh BATCHxSHARD (default: every device on batch)")
     limit: Optional[int] = option(None, "evaluate only the first N samples of each evaluation and lm-eval task")
     max_new_tokens: Optional[int] = option(None, "generation length (default: each evaluation's own; "
                                                  "an lm-eval task's max_gen_toks, else 256)")
@@ -415,12 +416,9 @@ class EvaluatorConfig:
     include_path: Optional[str] = option(None, "directory of extra lm-eval task YAML files (local tasks)")
     bootstrap_iters: int = option(100000, "resamples for lm-eval's bootstrap stderrs (perplexities; "
                                           "lm-eval's default); 0: none")
-    seed: int = option(0, "fresh weights and sampling")
     log_samples: bool = option(False, "also write samples.jsonl, one line per sample (and lm-eval's samples files)")
     force: bool = option(False, "redo a run whose results.json already exists")
-    dtype: str = option("float32", "parameters and activations: float32 or bfloat16")
     quiet: bool = option(False, "no table and no progress bars on stderr")
-    chunks: int = option(16, "batches scanned inside one jitted call")
     simple: bool = option(False, "the simple path: a request a row, a batch of prompts at a time through "
                                  "gpt.generate, the plain attention (slow; the same scores, to check or to read)")
     no_compile_cache: bool = option(False, "compile every program afresh: no persistent compilation cache "
@@ -657,9 +655,7 @@ class BackboneEvaluate(Evaluator):
 
 def check_options(cfg: EvaluatorConfig) -> None:
     """Every option in range, before anything is built: one line naming the option otherwise."""
-    for name in ("batch_size", "chunks"):
-        if getattr(cfg, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+    cfg.check_model_options()  # as lm-eval's model_args are checked (tasks.ModelArgs)
     for name in ("limit", "max_new_tokens"):
         if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
@@ -667,16 +663,7 @@ def check_options(cfg: EvaluatorConfig) -> None:
         raise UsageError(f"--temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, inf), got {cfg.temperature:g}")
     if not 0 < cfg.top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1], got {cfg.top_p}")
-    if cfg.dtype not in ("float32", "bfloat16"):
-        raise UsageError(f"--dtype must be float32 or bfloat16, got {cfg.dtype!r}")
     check_processes(cfg)
-    if not 0 <= cfg.seed <= MAX_SEED:
-        raise UsageError(f"--seed must be in [0, {MAX_SEED}] (what the PRNG takes), got {cfg.seed}")
-    if cfg.mesh is not None:
-        try:
-            gpt.parse_mesh(cfg.mesh)
-        except ValueError as e:
-            raise UsageError(f"--mesh: {e}") from None
     check_out_beside_checkpoint(cfg)
     check_task_options(cfg)
 

@@ -3193,8 +3193,50 @@ def test_lm_eval_scripts_reach_our_model_by_name_and_as_an_object(both_runs, wor
     for out in (by_name, by_object):
         for name in names:
             compare_samples(samples[name], out["samples"][name])
-    with pytest.raises(UsageError, match="batch_size must be a whole number, not 'auto'"):
+    with pytest.raises(UsageError, match="model_args batch_size must be int, got 'auto'"):
         tasks.JaxLM.create_from_arg_string(f"pretrained={model_dir},batch_size=auto")
+
+
+# model_args that the command line refuses as options (lm-eval's parser makes "0" an int, "true"
+# True, "8" an int), each with the words of its one line and the option the command line refuses
+REFUSED_MODEL_ARGS = [
+    ("batch_size=0", "model_args batch_size must be at least 1", ["--batch-size", "0"]),
+    ("batch_size=-1", "model_args batch_size must be at least 1", ["--batch-size", "-1"]),
+    ("chunks=0", "model_args chunks must be at least 1", ["--chunks", "0"]),
+    ("mesh=8", "model_args mesh: mesh '8' is not BATCHxSHARD", ["--mesh", "8"]),
+    ({"mesh": [4, 2]}, "model_args mesh: mesh '[4, 2]' is not BATCHxSHARD", ["--mesh", "[4, 2]"]),
+    ("seed=-1", "model_args seed must be in [0, 2147483647]", ["--seed", "-1"]),
+    ("dtype=float16", "model_args dtype must be float32 or bfloat16, got 'float16'", ["--dtype", "float16"]),
+    ("dtype=float8", "model_args dtype must be float32 or bfloat16, got 'float8'", ["--dtype", "float8"]),
+    ("batch_size=true", "model_args batch_size must be int, got 'True'", ["--batch-size", "True"]),
+    ({"batch_size": 2.0}, "model_args batch_size must be int, got '2.0'", ["--batch-size", "2.0"]),
+    ("max_gen_toks=0", "model_args max_gen_toks must be at least 1", ["--max-new-tokens", "0"]),
+    ("foo=1", "unknown model_args foo; known: batch_size", ["--foo", "1"])]
+
+
+@needs_lm_eval
+def test_lm_eval_model_args_are_checked_as_the_command_line_checks_its_options(ckpt):
+    """simple_evaluate(model="gpt-eval", model_args=...) refuses in one line naming the
+    argument, before anything loads, each value the command line refuses for its option (the
+    same dataclass's checks, jobs.ModelOptions), and simple_evaluate's batch_size where
+    model_args says another; what it takes (a quoted number as text) reaches the job."""
+    run = lambda model_args, **kw: lm_eval.simple_evaluate(model=tasks.MODEL_NAME, model_args=model_args,
+                                                           tasks=["never-loaded"], **kw)
+    for model_args, words, option in REFUSED_MODEL_ARGS:
+        given = ({"pretrained": str(ckpt), **model_args} if isinstance(model_args, dict)
+                 else f"pretrained={ckpt},{model_args}")
+        with pytest.raises(UsageError, match=re.escape(words)):
+            run(given)
+        with pytest.raises(UsageError, match=re.escape(option[0])):
+            jobs.parse_options(evaluate.EvaluatorConfig, option).validate()
+    with pytest.raises(UsageError, match="model_args pretrained is needed"):
+        run("batch_size=2")
+    with pytest.raises(UsageError, match="model_args pretrained is given twice"):  # lm-eval would take the last
+        run(f"pretrained={ckpt},batch_size=2,pretrained=elsewhere")
+    with pytest.raises(UsageError, match="model_args batch_size 4 and simple_evaluate's batch_size 8 differ"):
+        run(f"pretrained={ckpt},batch_size=4", batch_size=8)
+    lm = tasks.JaxLM.create_from_arg_string(f"pretrained={ckpt},batch_size='2',mesh=1x1,seed=3,device=cpu")
+    assert (lm.inference.batch_size, lm.seed, lm.inference.seed, lm.max_gen_toks) == (2, 3, 3, 256)
 
 
 @needs_lm_eval
