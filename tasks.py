@@ -164,10 +164,19 @@ class JaxLM(TemplateLM):
             add_special_tokens = not (self.prefix_text and string.startswith(self.prefix_text))
         return self.encoding.encode(string, add_special_tokens=add_special_tokens)
 
+    def check_chat_template(self, flag: str, model: str = "this model") -> None:
+        """Chat turns need the tokenizer's chat template (the byte tokenizer has none): one line
+        naming the option (`flag`) before a prompt is built."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise UsageError(f"{flag}: the tokenizer of {model} has no chat template")
+
     def apply_chat_template(self, chat_history: List[Dict[str, str]], add_generation_prompt: bool = True) -> str:
         """The conversation as text through the tokenizer's template; a template that refuses
         system messages gets the conversation without them (as lm-eval's HF model). One that
-        fails then too is the user's to fix: one line."""
+        fails then too is the user's to fix: one line. (simple_evaluate's apply_chat_template
+        reaches here without the command line's check.)"""
+        self.check_chat_template("apply_chat_template")
+
         def render(messages: List[Dict[str, str]]) -> str:
             return self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt,
@@ -389,9 +398,8 @@ def evaluate_tasks(lm: JaxLM, cfg: Any) -> Dict[str, Any]:
     """lm-eval's simple_evaluate of cfg.tasks on `lm`: its results dict (with "samples" under
     --log-samples), the same on every process."""
     c, inference = cfg, lm.inference
-    if c.apply_chat_template and not getattr(lm.tokenizer, "chat_template", None):
-        raise UsageError(f"--apply-chat-template: the tokenizer of {c.ckpt or 'the fresh GPT'} "
-                         "has no chat template")
+    if c.apply_chat_template:  # before anything starts (by name, apply_chat_template checks it)
+        lm.check_chat_template("--apply-chat-template", c.ckpt or "the fresh GPT")
     if c.quiet or jax.process_index() != 0:
         logging.getLogger("lm_eval").setLevel(logging.ERROR)
     os.environ.setdefault("DISABLE_MULTIPROC", "1")  # else lm-eval's bootstrap forks this JAX process

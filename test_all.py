@@ -3240,6 +3240,20 @@ def test_lm_eval_model_args_are_checked_as_the_command_line_checks_its_options(c
 
 
 @needs_lm_eval
+def test_lm_eval_chat_turns_by_name_without_a_template_are_refused_in_one_line(ckpt, tmp_path):
+    """simple_evaluate(model="gpt-eval", ..., apply_chat_template=True) on a checkpoint whose
+    tokenizer has no chat template (the byte tokenizer): the line --apply-chat-template gives,
+    naming the argument, where lm-eval's request building met None.apply_chat_template."""
+    from lm_eval.tasks import TaskManager
+    write_task(str(tmp_path), str(tmp_path), "chat_mc", MC[:1], output_type="multiple_choice",
+               doc_to_text="context", doc_to_choice="choices", doc_to_target="gold", metric_list=[{"metric": "acc"}])
+    with pytest.raises(UsageError, match="^apply_chat_template: the tokenizer of this model has no chat template$"):
+        lm_eval.simple_evaluate(model=tasks.MODEL_NAME, model_args=f"pretrained={ckpt},mesh=1x1", tasks=["chat_mc"],
+                                task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),
+                                apply_chat_template=True)
+
+
+@needs_lm_eval
 def test_bos_adding_tokenizer_follows_lm_eval_except_its_double_bos(workdir, tmp_path):
     """A tokenizer that prepends BOS (Llama, Mistral): multiple-choice contexts start with it,
     exactly as lm-eval 0.4 scores them. For perplexity we prepend BOS once; lm-eval also lets
