@@ -39,7 +39,7 @@ try:  # only --tasks needs lm-eval (these parts load in a fraction of a second)
     import jinja2  # a dependency of lm-eval (and of transformers' chat templates)
     import lm_eval
     from lm_eval.api.model import TemplateLM
-    from lm_eval.api.registry import register_model
+    from lm_eval.api.registry import model_registry, register_model
     from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
     from lm_eval.utils import (handle_non_serializable, hash_string, make_table, sanitize_list, sanitize_model_name,
                                simple_parse_args_string)
@@ -309,7 +309,16 @@ class ModelArgs(ModelOptions):
 
 
 MODEL_NAME = "gpt-eval"  # JaxLM's name in lm-eval's model registry
-if lm_eval is not None:
+
+
+def registered_here(name: str) -> bool:
+    """Whether `name` holds a JaxLM of this file: a reload of it (importlib.reload, a notebook's
+    autoreload) keeps the class first registered, since lm-eval refuses a second under a name."""
+    known = model_registry.get(name, None)
+    return isinstance(known, type) and (known.__module__, known.__qualname__) == (__name__, "JaxLM")
+
+
+if lm_eval is not None and not registered_here(MODEL_NAME):
     register_model(MODEL_NAME)(JaxLM)
 
 

@@ -16,6 +16,7 @@ import copy
 import dataclasses
 import functools
 import hashlib
+import importlib
 import io
 import json
 import math
@@ -3237,6 +3238,17 @@ def test_lm_eval_model_args_are_checked_as_the_command_line_checks_its_options(c
         run(f"pretrained={ckpt},batch_size=4", batch_size=8)
     lm = tasks.JaxLM.create_from_arg_string(f"pretrained={ckpt},batch_size='2',mesh=1x1,seed=3,device=cpu")
     assert (lm.inference.batch_size, lm.seed, lm.inference.seed, lm.max_gen_toks) == (2, 3, 3, 256)
+
+
+@needs_lm_eval
+def test_reloading_tasks_keeps_gpt_eval_registered():
+    """importlib.reload(tasks) (a notebook's autoreload reloads too) registered JaxLM again, which
+    lm-eval refuses for a second class under a name (ValueError: alias 'gpt-eval' already
+    registered): the name keeps the class first registered."""
+    from lm_eval.api.registry import get_model
+    first = get_model(tasks.MODEL_NAME)
+    importlib.reload(tasks)
+    assert get_model(tasks.MODEL_NAME) is first and first.__qualname__ == "JaxLM" and tasks.JaxLM is not first
 
 
 @needs_lm_eval
