@@ -37,7 +37,7 @@ from hf import load_backbone, load_model, resolve_checkpoint  # load_backbone: t
 from inference import (MIN_TEMPERATURE, GenerationRequest, InferenceJob, RequestError,
                        Request, Scored, per_document)
 from checkpoints import Node, load_native, model_config
-from jobs import (ByteTokenizer, ExecutionSpec, ModelOptions, UsageError, builtin_items, exit_status,
+from jobs import (ByteTokenizer, ExecutionSpec, ModelOptions, UsageError, builtin_items, exit_status, first_line,
                   is_checkpoint_file, is_eval_item, job, lean_cpu_schedules, option, parse_options, short)
 from runs import (JOURNAL_FILE, KINDS, Journal, JsonlDataset, journaling, out_dir_held, previous_run,
                   run_fingerprint)
@@ -448,11 +448,16 @@ def refused_as_usage() -> Iterator[None]:
     """The inference core's RequestError (a request longer than the context, a batch beyond
     memory) is the user's input: one line and exit 2, like every UsageError. Its PlanError
     (a size it planned that does not hold) is a bug, but still one line naming the document,
-    never a traceback from deep in numpy."""
+    never a traceback from deep in numpy. A batch that XLA finds beyond memory all the same
+    (check_memory's estimate is a lower bound) ends in one line too, as a trainer's does."""
     try:
         yield
     except (RequestError, PlanError) as e:
         raise UsageError(str(e)) from None
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        raise UsageError(f"out of memory while evaluating ({first_line(e)}); try a smaller --batch-size") from None
 
 
 class Evaluator(InferenceJob):

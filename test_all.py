@@ -5178,6 +5178,29 @@ def test_bad_options_are_refused_and_batch_sizes_pad_to_the_data(ckpt, tmp_path)
     assert_usage_error(beyond, "batch size 1024", "more than", out=tmp_path / "o")
 
 
+def test_the_simple_path_refuses_a_batch_beyond_memory_in_one_line(ckpt, tmp_path, monkeypatch):
+    """--simple with a --batch-size whose rows cannot fit: one line and exit 2 before the batch
+    is built, scoring and generating, as the fast path's check (it went on into XLA's
+    RESOURCE_EXHAUSTED, asking for 185 GB and 41 GB); a batch that XLA finds beyond memory all
+    the same (the estimate is a lower bound) ends in one line too, on either path."""
+    monkeypatch.setattr(gpt, "available_memory", lambda: 3 * 10**6)  # the model fits, 64 rows do not
+    data = {"ppl": [{"text": "the cat sees the dog."}], "gen": [{"prompt": "12+3=", "answer": "15"}]}
+    files = {kind: write_jsonl(tmp_path / f"{kind}.jsonl", rows) for kind, rows in data.items()}
+    run = lambda kind, *more: main_in_process("--ckpt", ckpt, "--data", f"{kind}:{files[kind]}", "--mesh", "1x1",
+                                              "--max-new-tokens", 4, "--quiet", "--out", tmp_path / "o", *more)
+    for kind in data:  # rows of the whole context: 64 tokens, or 60 of prompt and 4 new
+        status, err = run(kind, "--simple", "--batch-size", 64)
+        assert status == 2 and err.startswith("error: batch size 64: a batch of 64 x 64 tokens needs about "), err
+        assert err.strip().endswith("more than the 0.003 GB available") and len(err.splitlines()) == 1, err
+
+    def beyond(evaluator):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 41236000000 bytes.")
+    monkeypatch.setattr(evaluate.Evaluator, "run_evaluations", beyond)
+    assert run("ppl", "--batch-size", 1) == (2, "error: out of memory while evaluating (JaxRuntimeError: "
+                                                "RESOURCE_EXHAUSTED: Out of memory allocating 41236000000 bytes.); "
+                                                "try a smaller --batch-size\n")
+
+
 def test_files_that_are_not_regular_are_refused_without_waiting(ckpt, tmp_path):
     """A FIFO, a device or a directory where a dataset, a checkpoint's config or weights, or
     results.json belongs: refused at once, never read without limit or waited on."""
