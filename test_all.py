@@ -4378,6 +4378,42 @@ def test_a_signal_between_a_checkpoints_files_leaves_the_new_checkpoint_whole(tm
     assert json.loads((out / "config.json").read_text())["step"] == 4
 
 
+class Killed(Exception):
+    """Where a test stops a save, as SIGKILL would."""
+
+
+def test_a_checkpoint_of_two_saves_is_refused(tmp_path, monkeypatch):
+    """SIGKILL between a save's renames (model.safetensors, then config.json) leaves step 20's
+    weights beside step 10's config.json, which loaded as one checkpoint: refused in one line
+    naming both saves. Saved again whole, it loads; files that name no save load as before."""
+    path, model, mesh = tmp_path / "ck", gpt.GPT(**SMALL), mesh_of()
+    variables = gpt.init_params(model, mesh, seed=0)
+    save = lambda step: checkpoints.save_checkpoint(str(path), model, jax.tree.map(lambda x: x * step, variables),
+                                                    {"kind": "bytes"}, {"step": step})
+    save(10)
+    replace = os.replace
+
+    def killed_after_the_weights(source, target):
+        replace(source, target)
+        if Path(target).name == "model.safetensors":
+            raise Killed
+    monkeypatch.setattr(os, "replace", killed_after_the_weights)
+    with pytest.raises(Killed):
+        save(20)
+    monkeypatch.setattr(os, "replace", replace)
+    assert json.loads((path / "config.json").read_text())["step"] == 10
+    with pytest.raises(UsageError) as refused:
+        checkpoints.load_checkpoint(str(path), mesh)
+    assert re.fullmatch(rf"{path}: config.json is of the save 'step 10, weights \w{{16}}', model.safetensors of "
+                        rf"'step 20, weights \w{{16}}': a run was stopped between their renames; save it again or "
+                        "take another checkpoint", str(refused.value)), refused.value
+    save(20)
+    assert checkpoints.load_checkpoint(str(path), mesh)[2]["step"] == 20
+    config = {k: v for k, v in json.loads((path / "config.json").read_text()).items() if k != "save"}
+    (path / "config.json").write_text(json.dumps({**config, "step": 10}))  # as written before saves were named
+    assert checkpoints.load_checkpoint(str(path), mesh)[2]["step"] == 10
+
+
 # ---- trust under misuse: a finished run is known by what it computed, an interrupted one
 # resumes, results.json and samples.jsonl go together, and bad input is refused up front
 
