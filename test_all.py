@@ -4378,6 +4378,18 @@ def test_a_signal_between_a_checkpoints_files_leaves_the_new_checkpoint_whole(tm
     assert json.loads((out / "config.json").read_text())["step"] == 4
 
 
+def test_a_trainer_run_again_starts_its_log_afresh(ckpt, tmp_path, monkeypatch):
+    """An SFT run into an --out where a killed one left train_log.jsonl (steps 10 to 30) logs
+    its own steps from the start of the file, where they followed the killed run's and the
+    steps restarted mid-file: the log is the run's whose checkpoints replace those there."""
+    out = tmp_path / "sft"
+    out.mkdir()
+    (out / "train_log.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (10, 20, 30)))
+    monkeypatch.setattr(train.BaseTrainer, "train", lambda trainer: trainer.log({"step": 10, "loss": 0.5}))
+    assert jobs.main(["gpt/train/sft", "--init", str(ckpt), "--steps", "10", "--quiet", "--out", str(out)]) == 0
+    assert (out / "train_log.jsonl").read_text().splitlines() == ['{"step": 10, "loss": 0.5}']
+
+
 class Killed(Exception):
     """Where a test stops a save, as SIGKILL would."""
 
