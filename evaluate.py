@@ -287,16 +287,18 @@ class MultipleChoiceEvaluation(DatasetEvaluation):
                     "acc_norm": float(pred_norm == sample["gold"])}, rows_of(scored))
 
     def requests(self, inference: InferenceJob, encoding: Any, samples: Iterable[Tuple[int, Any]]) -> Iterator[Request]:
-        """One loglikelihood request per choice. A choice that adds no token once joined to
-        the context ("lo" after "hel", where "hello" is one token) is refused: its empty
-        continuation would score 0.0 and always win."""
+        """One loglikelihood request per choice, carrying the last max_len tokens of the context,
+        all that a row can read. A choice that adds no token once joined to the context ("lo"
+        after "hel", where "hello" is one token) is refused: its empty continuation would
+        score 0.0 and always win."""
         for index, sample in samples:
+            shared = encoding.encode(sample["context"].rstrip())  # once: every choice's context is this
             for number, choice in enumerate(sample["choices"]):
-                context, continuation = encode_pair(encoding, sample["context"], choice)
+                context, continuation = encode_pair(encoding, sample["context"], choice, shared)
                 if not continuation:
                     raise UsageError(f"{self.where(index)}: choice {number} {short(choice)} adds no token to the "
                                      f"context (the tokenizer joins them); an empty continuation has nothing to score")
-                yield Request(index, context or [inference.prefix_id], continuation)
+                yield Request(index, context[-inference.max_len:] or [inference.prefix_id], continuation)
 
     def aggregate(self, records):
         value, stderr, metrics = super().aggregate(records)
@@ -335,14 +337,18 @@ class RolloutEvaluation(DatasetEvaluation):
         return value, stderr, metrics
 
 
-def encode_pair(encoding: Any, context: str, continuation: str) -> Tuple[List[int], List[int]]:
+def encode_pair(encoding: Any, context: str, continuation: str,
+                context_ids: Optional[List[int]] = None) -> Tuple[List[int], List[int]]:
     """lm-evaluation-harness's split: trailing spaces of the context move to the continuation,
-    the whole string is encoded, and the continuation is what follows the context's tokens."""
+    the whole string is encoded, and the continuation is what follows the context's tokens
+    (`context_ids`, the stripped context's, where the caller has them). The whole string is
+    encoded even where only its end is read: a tokenizer's tokens at the end of a text can
+    depend on any text before them."""
     spaces = len(context) - len(context.rstrip())
     if spaces:
         context, continuation = context[:-spaces], context[-spaces:] + continuation
     whole = encoding.encode(context + continuation)
-    context_ids = encoding.encode(context)
+    context_ids = encoding.encode(context) if context_ids is None else context_ids
     return context_ids, whole[len(context_ids):]
 
 

@@ -214,8 +214,8 @@ class JaxLM(TemplateLM):
         """(log-probability, is_greedy) of each continuation, given ((context, continuation)
         texts, context ids, continuation ids) as TemplateLM.loglikelihood encodes them;
         is_greedy: every continuation token is the argmax prediction."""
-        batch = (Request(i, list(context), list(checked_continuation(texts, continuation)))
-                 for i, (texts, context, continuation) in enumerate(requests))
+        batch = (Request(i, list(context[-self.max_length:]), list(checked_continuation(texts, continuation)))
+                 for i, (texts, context, continuation) in enumerate(requests))  # all of a context a row can read
         scored = self.inference.progress(self.inference.loglikelihood(batch), "loglikelihood", len(requests),
                                          "requests")
         return [(finite(s.logprob), s.correct == s.tokens) for _, s in scored]

@@ -724,6 +724,34 @@ def test_multiple_choice_loglik_equals_direct_computation(small):
         assert record["pred"] == int(np.argmax(record["loglik"]))
 
 
+class CountingTokenizer(jobs.ByteTokenizer):
+    """The byte tokenizer, keeping the length of each text it encodes."""
+
+    def __init__(self):
+        self.encoded = []
+
+    def encode(self, text, add_special_tokens=True):
+        self.encoded.append(len(text))
+        return super().encode(text, add_special_tokens)
+
+
+def test_a_long_multiple_choice_context_is_encoded_once_and_carried_as_far_as_a_row_reads(small):
+    """A context many times the model's length (a 5 MB one took 68-83 s and 2.4 GB, encoded
+    twice for each choice and carried whole in each request): encoded once for all its
+    choices, then with each choice (lm-eval's split needs the whole text's tokens), and each
+    request carries its last max_len tokens, all a row reads: the same log-likelihoods."""
+    ev = evaluator(small, [])
+    sample = {"context": "the cat sees the dog. " * 20 + " ", "choices": [" yes", "no", " maybe so"], "gold": 0}
+    tokenizer = CountingTokenizer()
+    requests = list(evaluate.MultipleChoiceEvaluation("mc", [sample]).requests(ev, tokenizer, enumerate([sample])))
+    context = len(sample["context"].rstrip())
+    assert tokenizer.encoded == [context] + [len(sample["context"]) + len(c) for c in sample["choices"]]
+    whole = [inference.Request(0, *evaluate.encode_pair(tokenizer, sample["context"], c)) for c in sample["choices"]]
+    assert [r.context for r in requests] == [r.context[-ev.max_len:] for r in whole] and len(whole[0].context) > 400
+    assert [r.continuation for r in requests] == [r.continuation for r in whole]
+    assert [s for _, s in ev.loglikelihood(requests)] == [s for _, s in ev.loglikelihood(whole)]
+
+
 def greedy_by_recompute(model, variables, prompt, n):
     ids = list(prompt)
     for _ in range(n):
