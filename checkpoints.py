@@ -13,6 +13,7 @@ This file imports only gpt.py and jobs.py.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import json
 import math
@@ -524,18 +525,52 @@ def save_checkpoint(directory: str, model: gpt.GPT, variables: Any, tokenizer: D
 
     A run stopped midway (Ctrl-C, SIGTERM: they wait for the renames) leaves the previous
     complete checkpoint (or none) or the new one, never half a file nor the new weights
-    beside the old config.json; other files in the directory (a training log) stay.
+    beside the old config.json; other files in the directory (a training log) stay. SIGKILL
+    cannot wait: the save's name (save_name) in both files tells a pair of two saves, which
+    load_checkpoint refuses.
     """
     weights = to_host(variables)  # every process takes part in the gather
     if jax.process_index() != 0:
         return
-    path = Path(directory)
+    path, stamp = Path(directory), save_name(weights, (extra or {}).get("step"))
     config = {"format": NATIVE_FORMAT, "model": model_config(model),
-              "tokenizer": {k: v for k, v in tokenizer.items() if k != "source"}, **(extra or {})}
+              "tokenizer": {k: v for k, v in tokenizer.items() if k != "source"}, **(extra or {}), "save": stamp}
     # a HuggingFace tokenizer travels with its model; config.json, last, says which step the files are
     files = {name: (Path(tokenizer["source"]) / name).read_bytes() for name in tokenizer.get("files", [])}
-    files.update({"model.safetensors": save(weights), "config.json": (json.dumps(config, indent=2) + "\n").encode()})
+    files.update({"model.safetensors": save(weights, metadata={"save": stamp}),
+                  "config.json": (json.dumps(config, indent=2) + "\n").encode()})
     write_together(path, files)
+
+
+def save_name(weights: Dict[str, np.ndarray], step: Any) -> str:
+    """What names one save in both of its files: its step, where it has one, and a digest of
+    its weights (names, dtypes, shapes, bytes), so that two saves differ wherever their weights
+    do, and the same weights saved twice have one name."""
+    digest = hashlib.sha256()
+    for key in sorted(weights):
+        array = np.ascontiguousarray(weights[key])
+        digest.update(f"{key} {array.dtype} {array.shape}\n".encode())
+        digest.update(array.reshape(-1).view(np.uint8))
+    return (f"step {step}, " if step is not None else "") + f"weights {digest.hexdigest()[:16]}"
+
+
+def check_one_save(path: Path, config: Dict[str, Any]) -> None:
+    """config.json and model.safetensors of one save (save_checkpoint names it in both), or
+    refused: SIGKILL between their renames leaves a save's weights beside the previous
+    config.json. Files that name no save (written elsewhere, or before saves were named) are
+    taken as they are."""
+    weights = path / "model.safetensors"
+    if config.get("save") is None or not weights.is_file():
+        return
+    try:
+        with safe_open(str(weights), framework="numpy") as f:
+            saved = (f.metadata() or {}).get("save")
+    except (SafetensorError, OSError) as e:
+        raise UsageError(f"{weights} is not a readable safetensors file ({first_line(e)})") from None
+    if saved is not None and saved != config["save"]:
+        raise UsageError(f"{path}: config.json is of the save {short(config['save'])}, model.safetensors of "
+                         f"{short(saved)}: a run was stopped between their renames; save it again or take "
+                         "another checkpoint")
 
 
 def load_checkpoint(directory: str, mesh: jax.sharding.Mesh, dtype: Optional[str] = None):
@@ -551,6 +586,7 @@ def load_checkpoint(directory: str, mesh: jax.sharding.Mesh, dtype: Optional[str
         fields = {**fields, "param_dtype": dtype, "activation_dtype": dtype}
     model = check_model_fields(fields, f"{path}/config.json", mesh)
     tensors = TensorFiles(str(path), model.param_dtype)
+    check_one_save(path, config)
     check_layer_count(model, tensors)
     stored = {name: native_tensor(tensors, name, shape) for name, shape in param_shapes(model).items()}
     if tensors.unused():

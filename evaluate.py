@@ -37,7 +37,7 @@ from hf import load_backbone, load_model, resolve_checkpoint  # load_backbone: t
 from inference import (MIN_TEMPERATURE, GenerationRequest, InferenceJob, RequestError,
                        Request, Scored, per_document)
 from checkpoints import Node, load_native, model_config
-from jobs import (MAX_SEED, ByteTokenizer, ExecutionSpec, UsageError, builtin_items, exit_status,
+from jobs import (ByteTokenizer, ExecutionSpec, ModelOptions, UsageError, builtin_items, exit_status, first_line,
                   is_checkpoint_file, is_eval_item, job, lean_cpu_schedules, option, parse_options, short)
 from runs import (JOURNAL_FILE, KINDS, Journal, JsonlDataset, compile_log, journaling, out_dir_held, previous_run,
                   run_fingerprint)
@@ -287,16 +287,18 @@ class MultipleChoiceEvaluation(DatasetEvaluation):
                     "acc_norm": float(pred_norm == sample["gold"])}, rows_of(scored))
 
     def requests(self, inference: InferenceJob, encoding: Any, samples: Iterable[Tuple[int, Any]]) -> Iterator[Request]:
-        """One loglikelihood request per choice. A choice that adds no token once joined to
-        the context ("lo" after "hel", where "hello" is one token) is refused: its empty
-        continuation would score 0.0 and always win."""
+        """One loglikelihood request per choice, carrying the last max_len tokens of the context,
+        all that a row can read. A choice that adds no token once joined to the context ("lo"
+        after "hel", where "hello" is one token) is refused: its empty continuation would
+        score 0.0 and always win."""
         for index, sample in samples:
+            shared = encoding.encode(sample["context"].rstrip())  # once: every choice's context is this
             for number, choice in enumerate(sample["choices"]):
-                context, continuation = encode_pair(encoding, sample["context"], choice)
+                context, continuation = encode_pair(encoding, sample["context"], choice, shared)
                 if not continuation:
                     raise UsageError(f"{self.where(index)}: choice {number} {short(choice)} adds no token to the "
                                      f"context (the tokenizer joins them); an empty continuation has nothing to score")
-                yield Request(index, context or [inference.prefix_id], continuation)
+                yield Request(index, context[-inference.max_len:] or [inference.prefix_id], continuation)
 
     def aggregate(self, records):
         value, stderr, metrics = super().aggregate(records)
@@ -335,14 +337,18 @@ class RolloutEvaluation(DatasetEvaluation):
         return value, stderr, metrics
 
 
-def encode_pair(encoding: Any, context: str, continuation: str) -> Tuple[List[int], List[int]]:
+def encode_pair(encoding: Any, context: str, continuation: str,
+                context_ids: Optional[List[int]] = None) -> Tuple[List[int], List[int]]:
     """lm-evaluation-harness's split: trailing spaces of the context move to the continuation,
-    the whole string is encoded, and the continuation is what follows the context's tokens."""
+    the whole string is encoded, and the continuation is what follows the context's tokens
+    (`context_ids`, the stripped context's, where the caller has them). The whole string is
+    encoded even where only its end is read: a tokenizer's tokens at the end of a text can
+    depend on any text before them."""
     spaces = len(context) - len(context.rstrip())
     if spaces:
         context, continuation = context[:-spaces], context[-spaces:] + continuation
     whole = encoding.encode(context + continuation)
-    context_ids = encoding.encode(context)
+    context_ids = encoding.encode(context) if context_ids is None else context_ids
     return context_ids, whole[len(context_ids):]
 
 
@@ -389,8 +395,11 @@ def builtin_dataset(name: str, size: int) -> List[Dict[str, Any]]:
 
 
 @dataclasses.dataclass
-class EvaluatorConfig:
-    """Options of `python evaluate.py` (the jobs gpt/evaluate and backbone/evaluate)."""
+class EvaluatorConfig(ModelOptions):
+    """Options of `python evaluate.py` (the jobs gpt/evaluate and backbone/evaluate).
+
+    ModelOptions' come first (--batch-size, --mesh, --seed, --dtype, --chunks): lm-eval's
+    model_args share them and their checks (tasks.ModelArgs)."""
 
     ckpt: Optional[str] = option(None, "checkpoint directory: native (python train.py) or HuggingFace; "
                                        "none: fresh default GPT weights")
@@ -398,8 +407,6 @@ class EvaluatorConfig:
                                         "repeat); default: all of them without --data or --tasks")
     data: List[str] = option([], "KIND:FILE, a JSONL dataset of kind ppl, mc, gen or acc (repeatable)")
     out: str = option("runs/eval", "output directory for results.json (and samples.jsonl, lm_eval/)")
-    batch_size: int = option(8, "sequences per forward pass, rounded up to a multiple of the data-parallel size")
-    mesh: Optional[str] = option(None, "device mesh BATCHxSHARD (default: every device on batch)")
     limit: Optional[int] = option(None, "evaluate only the first N samples of each evaluation and lm-eval task")
     max_new_tokens: Optional[int] = option(None, "generation length (default: each evaluation's own; "
                                                  "an lm-eval task's max_gen_toks, else 256)")
@@ -415,12 +422,9 @@ class EvaluatorConfig:
     include_path: Optional[str] = option(None, "directory of extra lm-eval task YAML files (local tasks)")
     bootstrap_iters: int = option(100000, "resamples for lm-eval's bootstrap stderrs (perplexities; "
                                           "lm-eval's default); 0: none")
-    seed: int = option(0, "fresh weights and sampling")
     log_samples: bool = option(False, "also write samples.jsonl, one line per sample (and lm-eval's samples files)")
     force: bool = option(False, "redo a run whose results.json already exists")
-    dtype: str = option("float32", "parameters and activations: float32 or bfloat16")
     quiet: bool = option(False, "no table and no progress bars on stderr")
-    chunks: int = option(16, "batches scanned inside one jitted call")
     simple: bool = option(False, "the simple path: a request a row, a batch of prompts at a time through "
                                  "gpt.generate, the plain attention (slow; the same scores, to check or to read)")
     no_compile_cache: bool = option(False, "compile every program afresh: no persistent compilation cache "
@@ -450,11 +454,16 @@ def refused_as_usage() -> Iterator[None]:
     """The inference core's RequestError (a request longer than the context, a batch beyond
     memory) is the user's input: one line and exit 2, like every UsageError. Its PlanError
     (a size it planned that does not hold) is a bug, but still one line naming the document,
-    never a traceback from deep in numpy."""
+    never a traceback from deep in numpy. A batch that XLA finds beyond memory all the same
+    (check_memory's estimate is a lower bound) ends in one line too, as a trainer's does."""
     try:
         yield
     except (RequestError, PlanError) as e:
         raise UsageError(str(e)) from None
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        raise UsageError(f"out of memory while evaluating ({first_line(e)}); try a smaller --batch-size") from None
 
 
 class Evaluator(InferenceJob):
@@ -659,9 +668,7 @@ class BackboneEvaluate(Evaluator):
 
 def check_options(cfg: EvaluatorConfig) -> None:
     """Every option in range, before anything is built: one line naming the option otherwise."""
-    for name in ("batch_size", "chunks"):
-        if getattr(cfg, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+    cfg.check_model_options()  # as lm-eval's model_args are checked (tasks.ModelArgs)
     for name in ("limit", "max_new_tokens"):
         if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
@@ -669,16 +676,7 @@ def check_options(cfg: EvaluatorConfig) -> None:
         raise UsageError(f"--temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, inf), got {cfg.temperature:g}")
     if not 0 < cfg.top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1], got {cfg.top_p}")
-    if cfg.dtype not in ("float32", "bfloat16"):
-        raise UsageError(f"--dtype must be float32 or bfloat16, got {cfg.dtype!r}")
     check_processes(cfg)
-    if not 0 <= cfg.seed <= MAX_SEED:
-        raise UsageError(f"--seed must be in [0, {MAX_SEED}] (what the PRNG takes), got {cfg.seed}")
-    if cfg.mesh is not None:
-        try:
-            gpt.parse_mesh(cfg.mesh)
-        except ValueError as e:
-            raise UsageError(f"--mesh: {e}") from None
     check_out_beside_checkpoint(cfg)
     check_task_options(cfg)
 

@@ -479,6 +479,7 @@ class InferenceJob:
         tokens of context + continuation less the last, right-padded), its continuation
         scored at the last predictions; batch_size rows a forward pass."""
         requests, T, B, last_doc = iter(requests), self.max_len, self.batch_size, None
+        self.check_memory(B, T, T, T)  # the fast path's estimate: every position scored, the whole square attended
         while batch := list(itertools.islice(requests, B)):
             rows = [(r.context + r.continuation)[-(T + 1):] for r in batch]
             tokens, mask = self.pad([row[:-1] for row in rows], T, B, left=False)
@@ -512,6 +513,7 @@ class InferenceJob:
         token that completes a stop string (an empty prompt generates nothing)."""
         temperature, top_p, seed = sampling
         generate, requests, B = self.simple_generator(n_new, temperature, top_p), iter(requests), self.batch_size
+        self.check_memory(B, room + n_new, 1, room)  # as plan_rollout's, the prompts' queries at once
         while batch := list(itertools.islice(requests, B)):
             prompts = [r.prompt[-room:] for r in batch]
             tokens, mask = self.pad(prompts, room, B, left=True)

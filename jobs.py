@@ -130,9 +130,24 @@ def parse_options(config_cls: type, argv: List[str]) -> Any:
             if not args:
                 raise UsageError(f"option --{name} needs a value")
             text = args.pop(0)
-        value = convert(text, kind, name)
+        value = convert(text, kind, f"option --{name}")
         values[key] = values.get(key, []) + value if isinstance(value, list) else value
     return config_cls(**values)
+
+
+def options_of(config_cls: type, values: Dict[str, Any], spell: Callable[[str], str]) -> Any:
+    """Fill dataclass `config_cls` from values another program has parsed (lm-eval's model_args,
+    its parser's ints, floats, booleans and None), each checked as parse_options checks the
+    command line's: unknown names refused, a value's text converted to the field's type
+    (True is 'True', no int), None only where a field takes it. `spell` names a field in errors."""
+    hints = typing.get_type_hints(config_cls)
+    unknown = sorted(set(values) - set(hints))
+    if unknown:
+        known = ", ".join(f.name for f in dataclasses.fields(config_cls))
+        raise UsageError(f"unknown {spell(unknown[0])}; known: {known}")
+    takes_none = lambda kind: type(None) in typing.get_args(kind)
+    return config_cls(**{key: None if value is None and takes_none(hints[key]) else
+                         convert(str(value), hints[key], spell(key)) for key, value in values.items()})
 
 
 def usage(config_cls: type) -> str:
@@ -151,7 +166,8 @@ def usage(config_cls: type) -> str:
 
 
 def convert(text: str, kind: Any, name: str) -> Any:
-    """Text -> a value of type `kind` (int, float, bool, str, Optional[...], List[str])."""
+    """Text -> a value of type `kind` (int, float, bool, str, Optional[...], List[str]); `name`
+    is the option as errors name it ("option --seed")."""
     origin, inner = typing.get_origin(kind), typing.get_args(kind)
     if origin is typing.Union:  # Optional[X]
         return convert(text, [k for k in inner if k is not type(None)][0], name)
@@ -164,7 +180,40 @@ def convert(text: str, kind: Any, name: str) -> Any:
             return text.lower() in ("true", "1", "yes")
         return kind(text)
     except ValueError:
-        raise UsageError(f"option --{name} must be {kind.__name__}, got {text!r}") from None
+        raise UsageError(f"{name} must be {kind.__name__}, got {text!r}") from None
+
+
+def dashed(name: str) -> str:
+    """A config field as the command line spells it: batch_size -> --batch-size."""
+    return "--" + name.replace("_", "-")
+
+
+@dataclasses.dataclass
+class ModelOptions:
+    """How a model is loaded and run: the options that the command line (evaluate.EvaluatorConfig)
+    and lm-eval's model_args (tasks.ModelArgs) share, checked by one method, so that whatever one
+    way in refuses the other refuses too, in the same words."""
+
+    batch_size: int = option(8, "sequences per forward pass, rounded up to a multiple of the data-parallel size")
+    mesh: Optional[str] = option(None, "device mesh BATCHxSHARD (default: every device on batch)")
+    seed: int = option(0, "fresh weights and sampling")
+    dtype: str = option("float32", "parameters and activations: float32 or bfloat16")
+    chunks: int = option(16, "batches scanned inside one jitted call")
+
+    def check_model_options(self, spell: Callable[[str], str] = dashed) -> None:
+        """Every option in range, before anything is built: one line naming it (`spell`) otherwise."""
+        for name in ("batch_size", "chunks"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"{spell(name)} must be at least 1")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise UsageError(f"{spell('dtype')} must be float32 or bfloat16, got {self.dtype!r}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise UsageError(f"{spell('seed')} must be in [0, {MAX_SEED}] (what the PRNG takes), got {self.seed}")
+        if self.mesh is not None:
+            try:
+                gpt.parse_mesh(self.mesh)
+            except ValueError as e:
+                raise UsageError(f"{spell('mesh')}: {e}") from None
 
 
 # ----------------------------------------------------------------------------- registry

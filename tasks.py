@@ -16,6 +16,7 @@ line saying what to install.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import json
 import logging
@@ -32,13 +33,13 @@ import numpy as np
 
 from hf import load_model, resolve_checkpoint
 from inference import MIN_TEMPERATURE, GenerationRequest, InferenceJob, Request
-from jobs import ExecutionSpec, UsageError, first_line, short
+from jobs import ExecutionSpec, ModelOptions, UsageError, first_line, option, options_of, short
 
 try:  # only --tasks needs lm-eval (these parts load in a fraction of a second)
     import jinja2  # a dependency of lm-eval (and of transformers' chat templates)
     import lm_eval
     from lm_eval.api.model import TemplateLM
-    from lm_eval.api.registry import register_model
+    from lm_eval.api.registry import model_registry, register_model
     from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
     from lm_eval.utils import (handle_non_serializable, hash_string, make_table, sanitize_list, sanitize_model_name,
                                simple_parse_args_string)
@@ -86,31 +87,38 @@ class JaxLM(TemplateLM):
     def create_from_arg_string(cls, arg_string: str, additional_config: Optional[Dict[str, Any]] = None) -> "JaxLM":
         """lm-eval's way to make a model by name: `lm_eval.simple_evaluate(model=MODEL_NAME,
         model_args="pretrained=ORG/NAME,batch_size=16,mesh=4x2", tasks=[...])` once this file
-        is imported (see from_pretrained)."""
+        is imported (see from_pretrained). A key given twice is refused: lm-eval's parser would keep
+        the last, and its results record the string as given, both values in it."""
+        keys = [part.split("=")[0].strip() for part in (arg_string or "").split(",") if part]  # as lm-eval splits
+        twice = next((key for key in keys if keys.count(key) > 1), None)
+        if twice is not None:
+            raise UsageError(f"{model_arg(twice)} is given twice in {short(arg_string)}; give it once")
         return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict: Dict[str, Any], additional_config: Optional[Dict[str, Any]] = None
                             ) -> "JaxLM":
         """As create_from_arg_string, for model_args given as a dict; what simple_evaluate
-        adds (batch_size, max_batch_size, device) where it is set, as lm-eval's models take it."""
+        adds (batch_size, max_batch_size, device) where it is set, as lm-eval's models take it,
+        refused where model_args says otherwise (lm-eval's own models fail in a TypeError)."""
         extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
-        return cls.from_pretrained(**arg_dict, **extra)
+        clash = next((k for k in extra if k in arg_dict and str(arg_dict[k]) != str(extra[k])), None)
+        if clash is not None:
+            raise UsageError(f"{model_arg(clash)} {arg_dict[clash]!r} and simple_evaluate's {clash} "
+                             f"{extra[clash]!r} differ; give one")
+        return cls.from_pretrained(**{**arg_dict, **extra})
 
     @classmethod
-    def from_pretrained(cls, pretrained: str, batch_size: Any = 8, mesh: Optional[str] = None, dtype: str = "float32",
-                        chunks: int = 16, max_gen_toks: int = 256, seed: int = 0, device: Optional[str] = None,
-                        max_batch_size: Optional[int] = None) -> "JaxLM":
-        """A checkpoint (native, a HuggingFace directory or a hub id ORG/NAME[@REVISION]) in
-        `dtype` on a mesh of every device ("BATCHxSHARD" to choose), its requests answered by
-        an InferenceJob of `batch_size` rows. `device` and `max_batch_size`, which lm-eval
-        hands every model, choose nothing here: jax runs on its default backend."""
-        if not (isinstance(batch_size, int) or isinstance(batch_size, str) and batch_size.isdigit()):
-            raise UsageError(f"{MODEL_NAME}: batch_size must be a whole number, not {batch_size!r}")
-        devices = ExecutionSpec(name=MODEL_NAME, mesh=mesh).make_mesh()
-        model, variables, tokenizer = load_model(resolve_checkpoint(str(pretrained)), devices, dtype)
-        job = InferenceJob(model, variables, tokenizer, devices, batch_size=int(batch_size), chunks=chunks, seed=seed)
-        return cls(job, max_gen_toks, seed)
+    def from_pretrained(cls, pretrained: Any = None, **model_args: Any) -> "JaxLM":
+        """A checkpoint (native, a HuggingFace directory or a hub id ORG/NAME[@REVISION]) loaded
+        and run as ModelArgs says, each argument checked as the command line checks its option."""
+        args = options_of(ModelArgs, {"pretrained": pretrained, **model_args}, model_arg)
+        args.validate()
+        devices = ExecutionSpec(name=MODEL_NAME, mesh=args.mesh).make_mesh()
+        model, variables, tokenizer = load_model(resolve_checkpoint(args.pretrained), devices, args.dtype)
+        job = InferenceJob(model, variables, tokenizer, devices, batch_size=args.batch_size, chunks=args.chunks,
+                           seed=args.seed)
+        return cls(job, args.max_gen_toks, args.seed)
 
     def __init__(self, inference: InferenceJob, max_gen_toks: int = 256, seed: int = 0):
         super().__init__()
@@ -156,10 +164,19 @@ class JaxLM(TemplateLM):
             add_special_tokens = not (self.prefix_text and string.startswith(self.prefix_text))
         return self.encoding.encode(string, add_special_tokens=add_special_tokens)
 
+    def check_chat_template(self, flag: str, model: str = "this model") -> None:
+        """Chat turns need the tokenizer's chat template (the byte tokenizer has none): one line
+        naming the option (`flag`) before a prompt is built."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise UsageError(f"{flag}: the tokenizer of {model} has no chat template")
+
     def apply_chat_template(self, chat_history: List[Dict[str, str]], add_generation_prompt: bool = True) -> str:
         """The conversation as text through the tokenizer's template; a template that refuses
         system messages gets the conversation without them (as lm-eval's HF model). One that
-        fails then too is the user's to fix: one line."""
+        fails then too is the user's to fix: one line. (simple_evaluate's apply_chat_template
+        reaches here without the command line's check.)"""
+        self.check_chat_template("apply_chat_template")
+
         def render(messages: List[Dict[str, str]]) -> str:
             return self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt,
@@ -197,8 +214,8 @@ class JaxLM(TemplateLM):
         """(log-probability, is_greedy) of each continuation, given ((context, continuation)
         texts, context ids, continuation ids) as TemplateLM.loglikelihood encodes them;
         is_greedy: every continuation token is the argmax prediction."""
-        batch = (Request(i, list(context), list(checked_continuation(texts, continuation)))
-                 for i, (texts, context, continuation) in enumerate(requests))
+        batch = (Request(i, list(context[-self.max_length:]), list(checked_continuation(texts, continuation)))
+                 for i, (texts, context, continuation) in enumerate(requests))  # all of a context a row can read
         scored = self.inference.progress(self.inference.loglikelihood(batch), "loglikelihood", len(requests),
                                          "requests")
         return [(finite(s.logprob), s.correct == s.tokens) for _, s in scored]
@@ -267,8 +284,41 @@ class JaxLM(TemplateLM):
         return Decoding(n_new, temperature, top_p, until)
 
 
+def model_arg(name: str) -> str:
+    """A model_args key as errors name it."""
+    return f"model_args {name}"
+
+
+@dataclasses.dataclass
+class ModelArgs(ModelOptions):
+    """JaxLM's model_args (simple_evaluate(model="gpt-eval", model_args=...)): the command line's
+    ModelOptions, checked by the same method, and what only lm-eval's models take."""
+
+    pretrained: Optional[str] = option(None, "a native checkpoint, a HuggingFace directory or a hub id "
+                                             "ORG/NAME[@REVISION], as --ckpt")
+    max_gen_toks: int = option(256, "new tokens of a generation task that sets none (256: lm-eval's HF model's)")
+    device: Optional[str] = option(None, "lm-eval hands it every model; chooses nothing: jax runs on its backend")
+    max_batch_size: Optional[int] = option(None, "lm-eval hands it every model; chooses nothing")
+
+    def validate(self) -> None:
+        self.check_model_options(model_arg)
+        if not self.pretrained:
+            raise UsageError(f"{model_arg('pretrained')} is needed: a checkpoint directory or a hub id ORG/NAME")
+        if self.max_gen_toks < 1:  # as --max-new-tokens
+            raise UsageError(f"{model_arg('max_gen_toks')} must be at least 1")
+
+
 MODEL_NAME = "gpt-eval"  # JaxLM's name in lm-eval's model registry
-if lm_eval is not None:
+
+
+def registered_here(name: str) -> bool:
+    """Whether `name` holds a JaxLM of this file: a reload of it (importlib.reload, a notebook's
+    autoreload) keeps the class first registered, since lm-eval refuses a second under a name."""
+    known = model_registry.get(name, None)
+    return isinstance(known, type) and (known.__module__, known.__qualname__) == (__name__, "JaxLM")
+
+
+if lm_eval is not None and not registered_here(MODEL_NAME):
     register_model(MODEL_NAME)(JaxLM)
 
 
@@ -357,9 +407,8 @@ def evaluate_tasks(lm: JaxLM, cfg: Any) -> Dict[str, Any]:
     """lm-eval's simple_evaluate of cfg.tasks on `lm`: its results dict (with "samples" under
     --log-samples), the same on every process."""
     c, inference = cfg, lm.inference
-    if c.apply_chat_template and not getattr(lm.tokenizer, "chat_template", None):
-        raise UsageError(f"--apply-chat-template: the tokenizer of {c.ckpt or 'the fresh GPT'} "
-                         "has no chat template")
+    if c.apply_chat_template:  # before anything starts (by name, apply_chat_template checks it)
+        lm.check_chat_template("--apply-chat-template", c.ckpt or "the fresh GPT")
     if c.quiet or jax.process_index() != 0:
         logging.getLogger("lm_eval").setLevel(logging.ERROR)
     os.environ.setdefault("DISABLE_MULTIPROC", "1")  # else lm-eval's bootstrap forks this JAX process

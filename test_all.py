@@ -16,6 +16,7 @@ import copy
 import dataclasses
 import functools
 import hashlib
+import importlib
 import io
 import json
 import math
@@ -807,6 +808,34 @@ def test_multiple_choice_loglik_equals_direct_computation(small):
             direct = sum(float(logp[len(ctx) - 1 + i, t]) for i, t in enumerate(cont))
             np.testing.assert_allclose(ll, direct, rtol=1e-5, atol=1e-5)
         assert record["pred"] == int(np.argmax(record["loglik"]))
+
+
+class CountingTokenizer(jobs.ByteTokenizer):
+    """The byte tokenizer, keeping the length of each text it encodes."""
+
+    def __init__(self):
+        self.encoded = []
+
+    def encode(self, text, add_special_tokens=True):
+        self.encoded.append(len(text))
+        return super().encode(text, add_special_tokens)
+
+
+def test_a_long_multiple_choice_context_is_encoded_once_and_carried_as_far_as_a_row_reads(small):
+    """A context many times the model's length (a 5 MB one took 68-83 s and 2.4 GB, encoded
+    twice for each choice and carried whole in each request): encoded once for all its
+    choices, then with each choice (lm-eval's split needs the whole text's tokens), and each
+    request carries its last max_len tokens, all a row reads: the same log-likelihoods."""
+    ev = evaluator(small, [])
+    sample = {"context": "the cat sees the dog. " * 20 + " ", "choices": [" yes", "no", " maybe so"], "gold": 0}
+    tokenizer = CountingTokenizer()
+    requests = list(evaluate.MultipleChoiceEvaluation("mc", [sample]).requests(ev, tokenizer, enumerate([sample])))
+    context = len(sample["context"].rstrip())
+    assert tokenizer.encoded == [context] + [len(sample["context"]) + len(c) for c in sample["choices"]]
+    whole = [inference.Request(0, *evaluate.encode_pair(tokenizer, sample["context"], c)) for c in sample["choices"]]
+    assert [r.context for r in requests] == [r.context[-ev.max_len:] for r in whole] and len(whole[0].context) > 400
+    assert [r.continuation for r in requests] == [r.continuation for r in whole]
+    assert [s for _, s in ev.loglikelihood(requests)] == [s for _, s in ev.loglikelihood(whole)]
 
 
 def greedy_by_recompute(model, variables, prompt, n):
@@ -3287,8 +3316,75 @@ def test_lm_eval_scripts_reach_our_model_by_name_and_as_an_object(both_runs, wor
     for out in (by_name, by_object):
         for name in names:
             compare_samples(samples[name], out["samples"][name])
-    with pytest.raises(UsageError, match="batch_size must be a whole number, not 'auto'"):
+    with pytest.raises(UsageError, match="model_args batch_size must be int, got 'auto'"):
         tasks.JaxLM.create_from_arg_string(f"pretrained={model_dir},batch_size=auto")
+
+
+# model_args that the command line refuses as options (lm-eval's parser makes "0" an int, "true"
+# True, "8" an int), each with the words of its one line and the option the command line refuses
+REFUSED_MODEL_ARGS = [
+    ("batch_size=0", "model_args batch_size must be at least 1", ["--batch-size", "0"]),
+    ("batch_size=-1", "model_args batch_size must be at least 1", ["--batch-size", "-1"]),
+    ("chunks=0", "model_args chunks must be at least 1", ["--chunks", "0"]),
+    ("mesh=8", "model_args mesh: mesh '8' is not BATCHxSHARD", ["--mesh", "8"]),
+    ({"mesh": [4, 2]}, "model_args mesh: mesh '[4, 2]' is not BATCHxSHARD", ["--mesh", "[4, 2]"]),
+    ("seed=-1", "model_args seed must be in [0, 2147483647]", ["--seed", "-1"]),
+    ("dtype=float16", "model_args dtype must be float32 or bfloat16, got 'float16'", ["--dtype", "float16"]),
+    ("dtype=float8", "model_args dtype must be float32 or bfloat16, got 'float8'", ["--dtype", "float8"]),
+    ("batch_size=true", "model_args batch_size must be int, got 'True'", ["--batch-size", "True"]),
+    ({"batch_size": 2.0}, "model_args batch_size must be int, got '2.0'", ["--batch-size", "2.0"]),
+    ("max_gen_toks=0", "model_args max_gen_toks must be at least 1", ["--max-new-tokens", "0"]),
+    ("foo=1", "unknown model_args foo; known: batch_size", ["--foo", "1"])]
+
+
+@needs_lm_eval
+def test_lm_eval_model_args_are_checked_as_the_command_line_checks_its_options(ckpt):
+    """simple_evaluate(model="gpt-eval", model_args=...) refuses in one line naming the
+    argument, before anything loads, each value the command line refuses for its option (the
+    same dataclass's checks, jobs.ModelOptions), and simple_evaluate's batch_size where
+    model_args says another; what it takes (a quoted number as text) reaches the job."""
+    run = lambda model_args, **kw: lm_eval.simple_evaluate(model=tasks.MODEL_NAME, model_args=model_args,
+                                                           tasks=["never-loaded"], **kw)
+    for model_args, words, option in REFUSED_MODEL_ARGS:
+        given = ({"pretrained": str(ckpt), **model_args} if isinstance(model_args, dict)
+                 else f"pretrained={ckpt},{model_args}")
+        with pytest.raises(UsageError, match=re.escape(words)):
+            run(given)
+        with pytest.raises(UsageError, match=re.escape(option[0])):
+            jobs.parse_options(evaluate.EvaluatorConfig, option).validate()
+    with pytest.raises(UsageError, match="model_args pretrained is needed"):
+        run("batch_size=2")
+    with pytest.raises(UsageError, match="model_args pretrained is given twice"):  # lm-eval would take the last
+        run(f"pretrained={ckpt},batch_size=2,pretrained=elsewhere")
+    with pytest.raises(UsageError, match="model_args batch_size 4 and simple_evaluate's batch_size 8 differ"):
+        run(f"pretrained={ckpt},batch_size=4", batch_size=8)
+    lm = tasks.JaxLM.create_from_arg_string(f"pretrained={ckpt},batch_size='2',mesh=1x1,seed=3,device=cpu")
+    assert (lm.inference.batch_size, lm.seed, lm.inference.seed, lm.max_gen_toks) == (2, 3, 3, 256)
+
+
+@needs_lm_eval
+def test_reloading_tasks_keeps_gpt_eval_registered():
+    """importlib.reload(tasks) (a notebook's autoreload reloads too) registered JaxLM again, which
+    lm-eval refuses for a second class under a name (ValueError: alias 'gpt-eval' already
+    registered): the name keeps the class first registered."""
+    from lm_eval.api.registry import get_model
+    first = get_model(tasks.MODEL_NAME)
+    importlib.reload(tasks)
+    assert get_model(tasks.MODEL_NAME) is first and first.__qualname__ == "JaxLM" and tasks.JaxLM is not first
+
+
+@needs_lm_eval
+def test_lm_eval_chat_turns_by_name_without_a_template_are_refused_in_one_line(ckpt, tmp_path):
+    """simple_evaluate(model="gpt-eval", ..., apply_chat_template=True) on a checkpoint whose
+    tokenizer has no chat template (the byte tokenizer): the line --apply-chat-template gives,
+    naming the argument, where lm-eval's request building met None.apply_chat_template."""
+    from lm_eval.tasks import TaskManager
+    write_task(str(tmp_path), str(tmp_path), "chat_mc", MC[:1], output_type="multiple_choice",
+               doc_to_text="context", doc_to_choice="choices", doc_to_target="gold", metric_list=[{"metric": "acc"}])
+    with pytest.raises(UsageError, match="^apply_chat_template: the tokenizer of this model has no chat template$"):
+        lm_eval.simple_evaluate(model=tasks.MODEL_NAME, model_args=f"pretrained={ckpt},mesh=1x1", tasks=["chat_mc"],
+                                task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),
+                                apply_chat_template=True)
 
 
 @needs_lm_eval
@@ -4419,6 +4515,54 @@ def test_a_signal_between_a_checkpoints_files_leaves_the_new_checkpoint_whole(tm
     assert json.loads((out / "config.json").read_text())["step"] == 4
 
 
+def test_a_trainer_run_again_starts_its_log_afresh(ckpt, tmp_path, monkeypatch):
+    """An SFT run into an --out where a killed one left train_log.jsonl (steps 10 to 30) logs
+    its own steps from the start of the file, where they followed the killed run's and the
+    steps restarted mid-file: the log is the run's whose checkpoints replace those there."""
+    out = tmp_path / "sft"
+    out.mkdir()
+    (out / "train_log.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (10, 20, 30)))
+    monkeypatch.setattr(train.BaseTrainer, "train", lambda trainer: trainer.log({"step": 10, "loss": 0.5}))
+    assert jobs.main(["gpt/train/sft", "--init", str(ckpt), "--steps", "10", "--quiet", "--out", str(out)]) == 0
+    assert (out / "train_log.jsonl").read_text().splitlines() == ['{"step": 10, "loss": 0.5}']
+
+
+class Killed(Exception):
+    """Where a test stops a save, as SIGKILL would."""
+
+
+def test_a_checkpoint_of_two_saves_is_refused(tmp_path, monkeypatch):
+    """SIGKILL between a save's renames (model.safetensors, then config.json) leaves step 20's
+    weights beside step 10's config.json, which loaded as one checkpoint: refused in one line
+    naming both saves. Saved again whole, it loads; files that name no save load as before."""
+    path, model, mesh = tmp_path / "ck", gpt.GPT(**SMALL), mesh_of()
+    variables = gpt.init_params(model, mesh, seed=0)
+    save = lambda step: checkpoints.save_checkpoint(str(path), model, jax.tree.map(lambda x: x * step, variables),
+                                                    {"kind": "bytes"}, {"step": step})
+    save(10)
+    replace = os.replace
+
+    def killed_after_the_weights(source, target):
+        replace(source, target)
+        if Path(target).name == "model.safetensors":
+            raise Killed
+    monkeypatch.setattr(os, "replace", killed_after_the_weights)
+    with pytest.raises(Killed):
+        save(20)
+    monkeypatch.setattr(os, "replace", replace)
+    assert json.loads((path / "config.json").read_text())["step"] == 10
+    with pytest.raises(UsageError) as refused:
+        checkpoints.load_checkpoint(str(path), mesh)
+    assert re.fullmatch(rf"{path}: config.json is of the save 'step 10, weights \w{{16}}', model.safetensors of "
+                        rf"'step 20, weights \w{{16}}': a run was stopped between their renames; save it again or "
+                        "take another checkpoint", str(refused.value)), refused.value
+    save(20)
+    assert checkpoints.load_checkpoint(str(path), mesh)[2]["step"] == 20
+    config = {k: v for k, v in json.loads((path / "config.json").read_text()).items() if k != "save"}
+    (path / "config.json").write_text(json.dumps({**config, "step": 10}))  # as written before saves were named
+    assert checkpoints.load_checkpoint(str(path), mesh)[2]["step"] == 10
+
+
 # ---- trust under misuse: a finished run is known by what it computed, an interrupted one
 # resumes, results.json and samples.jsonl go together, and bad input is refused up front
 
@@ -5218,6 +5362,29 @@ def test_bad_options_are_refused_and_batch_sizes_pad_to_the_data(ckpt, tmp_path)
     assert one.returncode == 0 and huge.returncode == 0, huge.stderr[-2000:]
     assert results_of(tmp_path / "huge") == results_of(tmp_path / "one")
     assert_usage_error(beyond, "batch size 1024", "more than", out=tmp_path / "o")
+
+
+def test_the_simple_path_refuses_a_batch_beyond_memory_in_one_line(ckpt, tmp_path, monkeypatch):
+    """--simple with a --batch-size whose rows cannot fit: one line and exit 2 before the batch
+    is built, scoring and generating, as the fast path's check (it went on into XLA's
+    RESOURCE_EXHAUSTED, asking for 185 GB and 41 GB); a batch that XLA finds beyond memory all
+    the same (the estimate is a lower bound) ends in one line too, on either path."""
+    monkeypatch.setattr(gpt, "available_memory", lambda: 3 * 10**6)  # the model fits, 64 rows do not
+    data = {"ppl": [{"text": "the cat sees the dog."}], "gen": [{"prompt": "12+3=", "answer": "15"}]}
+    files = {kind: write_jsonl(tmp_path / f"{kind}.jsonl", rows) for kind, rows in data.items()}
+    run = lambda kind, *more: main_in_process("--ckpt", ckpt, "--data", f"{kind}:{files[kind]}", "--mesh", "1x1",
+                                              "--max-new-tokens", 4, "--quiet", "--out", tmp_path / "o", *more)
+    for kind in data:  # rows of the whole context: 64 tokens, or 60 of prompt and 4 new
+        status, err = run(kind, "--simple", "--batch-size", 64)
+        assert status == 2 and err.startswith("error: batch size 64: a batch of 64 x 64 tokens needs about "), err
+        assert err.strip().endswith("more than the 0.003 GB available") and len(err.splitlines()) == 1, err
+
+    def beyond(evaluator):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 41236000000 bytes.")
+    monkeypatch.setattr(evaluate.Evaluator, "run_evaluations", beyond)
+    assert run("ppl", "--batch-size", 1) == (2, "error: out of memory while evaluating (JaxRuntimeError: "
+                                                "RESOURCE_EXHAUSTED: Out of memory allocating 41236000000 bytes.); "
+                                                "try a smaller --batch-size\n")
 
 
 def test_files_that_are_not_regular_are_refused_without_waiting(ckpt, tmp_path):

@@ -239,11 +239,13 @@ class BaseTrainer:
         return step
 
     def run(self) -> None:
-        """Train, holding --out (jobs.DirectoryLock) so that no other run writes there meanwhile."""
+        """Train, holding --out (jobs.DirectoryLock) so that no other run writes there meanwhile;
+        its train_log.jsonl starts afresh, as the run's checkpoints replace the ones there."""
         lock = None
         if self.spec.is_main:
             Path(self.cfg.out).mkdir(parents=True, exist_ok=True)
             lock = jobs.DirectoryLock(Path(self.cfg.out))
+            (Path(self.cfg.out) / "train_log.jsonl").unlink(missing_ok=True)  # a killed or an earlier run's
         try:
             with jax.set_mesh(self.mesh):  # traced under the mesh, as InferenceJob's kernels (gpt.rows_at_a_time)
                 self.train()
