@@ -5,21 +5,14 @@ This file stands alone: copy it into another project and it still works.
     python gpt.py            # builds the default tiny GPT on CPU, prints its size and a greedy sample
 
 Reading order, bottom-up like nanoGPT: dtypes -> Module (sharding plan, flops,
-components/gather) -> Linear, Norm -> rotary embeddings -> attention (attend_reference,
-the plain way, then the fast paths that equal it) -> Attention -> MLP, MoE -> Block -> GPT
--> generation (generate: a prefill and a loop; fast.py's decoder gives the same tokens in
-segments) -> mesh helpers. GPT(attention="reference") computes attention the
-plain way everywhere; the fast paths are the default.
+components/gather) -> Linear, Norm -> rotary embeddings -> attention (attend_reference, the
+plain way, GPT(attention="reference"), then the fast paths that equal it, the default) ->
+Attention -> MLP, MoE -> Block -> GPT (one Block scanned over the layers' stacked weights)
+-> generation (generate: a prefill and a loop) -> mesh helpers.
 
-One GPT covers several HuggingFace families. What makes each family different is a
-handful of fields (see FAMILIES at the bottom of the GPT section): norm kind, MLP kind,
-key/value heads, rotary fraction and base, biases, q/k norm (per head or over all heads),
-parallel residual, and tied or separate unembedding; Gemma adds (1 + w) norms, norms after
-each sublayer too, and an embedding scaled by sqrt(width); OLMo 2 norms only after. Per
-checkpoint, from its config: rope scaling (Llama 3.x, Phi's longrope), sliding-window
-layers with their own rotary base (Mistral, Gemma), the query scale and soft-capped
-attention scores and logits (Gemma), Granite's multipliers, and a mixture of experts
-(Mixtral, Qwen-MoE, OLMoE) whose experts the plan splits over the mesh.
+One GPT covers several HuggingFace families: a handful of fields make each (FAMILIES), and
+a checkpoint's config sets the rest (rope scaling, sliding windows, soft-caps, multipliers,
+a mixture of experts whose experts the plan splits over the mesh).
 
 Shapes are in the names: B batch, T query length, S key length (cache slots), D model
 width, H query heads, K key/value heads, E head width, F MLP width, V vocabulary, L layers,
@@ -54,11 +47,8 @@ def dtype_of(name: str) -> Any:
 
 class Module(nn.Module):
     """Base of every part: dtypes, a sharding plan, FLOP counting, and the part list.
-
-    Parameters carry logical axis names ("embed", "heads", "mlp", "vocab", ...); the
-    plan (`sharding`) maps those names to the mesh axes "batch" and "shard". Layers never
-    name mesh axes themselves.
-    """
+    Parameters carry logical axis names ("embed", "heads", ...), which the plan (`sharding`)
+    maps to the mesh axes "batch" and "shard": layers never name mesh axes."""
 
     param_dtype: str = "float32"
     activation_dtype: str = "float32"
@@ -82,12 +72,9 @@ class Module(nn.Module):
         return [m for m in self._state.children.values() if isinstance(m, Module)]
 
     def flops(self, seq: int) -> float:
-        """Forward + backward FLOPs for one sequence of `seq` tokens (module must be bound).
-
-        Dense matmul arithmetic only: a multiply-add is 2 FLOPs and backward costs twice
-        forward, so leaves report 3x their forward matmuls. Composite modules sum their
-        children; anything without a matmul contributes zero.
-        """
+        """Forward + backward FLOPs for one sequence of `seq` tokens (module bound): dense matmul
+        arithmetic only, a multiply-add 2 FLOPs and backward twice forward (3x its forward);
+        composite modules sum their children's."""
         return sum(child.flops(seq) for child in self.children_modules())
 
     @classmethod
@@ -113,9 +100,8 @@ class Module(nn.Module):
 
 def logical_param(module: nn.Module, name: str, shape: Tuple[int, ...], axes: Tuple[str, ...],
                   init: Any, dtype: Any) -> jax.Array:
-    """A parameter whose dimensions carry logical axis names for the sharding plan. When
-    applying, the given array after a check of its shape: flax's own check traces the
-    initializer for every parameter, a quarter of the time a forward pass takes to trace."""
+    """A parameter whose dimensions carry logical axis names for the sharding plan; when
+    applying, the given array after a check of its shape (flax's traces every initializer)."""
     if not module.is_initializing() and module.has_variable("params", name):
         value = nn.meta.unbox(module.get_variable("params", name))
         if tuple(value.shape[value.ndim - len(shape):]) != tuple(shape):  # (bound outside the scan: [L, ...])
@@ -139,8 +125,7 @@ class Linear(Module):
                           nn.initializers.normal(self.init_std), self.pdtype)
         y = jnp.einsum("...i,io->...o", x.astype(self.adtype), w.astype(self.adtype))
         if self.use_bias:
-            b = logical_param(self, "bias", (self.features,), self.axes[1:], nn.initializers.zeros,
-                              self.pdtype)
+            b = logical_param(self, "bias", (self.features,), self.axes[1:], nn.initializers.zeros, self.pdtype)
             y = y + jax.lax.broadcast_to_rank(b.astype(self.adtype), y.ndim)
         return y
 
@@ -165,8 +150,7 @@ class Norm(Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         width = x.shape[-1]
-        scale = logical_param(self, "scale", (width,), (self.axis_name,), nn.initializers.ones,
-                              self.pdtype)
+        scale = logical_param(self, "scale", (width,), (self.axis_name,), nn.initializers.ones, self.pdtype)
         h = x.astype(jnp.float32)
         if self.kind == "layernorm":
             h = h - h.mean(-1, keepdims=True)
@@ -176,8 +160,7 @@ class Norm(Module):
         scale = jax.lax.broadcast_to_rank(scale, h.ndim)  # no implicit rank promotion
         h = h * jax.lax.rsqrt((h * h).mean(-1, keepdims=True) + self.eps) * scale
         if self.use_bias and self.kind == "layernorm":
-            bias = logical_param(self, "bias", (width,), (self.axis_name,), nn.initializers.zeros,
-                                 self.pdtype)
+            bias = logical_param(self, "bias", (width,), (self.axis_name,), nn.initializers.zeros, self.pdtype)
             h = h + jax.lax.broadcast_to_rank(bias.astype(jnp.float32), h.ndim)
         return h.astype(self.adtype)
 
@@ -189,20 +172,13 @@ ROPE_SCALINGS = ("linear", "llama3", "longrope")
 
 
 def rope_frequencies(rot: int, base: float, scaling: Optional[Tuple[Any, ...]] = None) -> jax.Array:
-    """The rot/2 rotary frequencies (radians per position), float32, as transformers
-    computes them. `scaling` stretches them for contexts longer than the pretraining one:
-
-    ("linear", factor): every frequency / factor.
-    ("llama3", factor, low_freq_factor, high_freq_factor, original_context): wavelengths
-        2 pi / f longer than original_context / low_freq_factor are divided by factor, those
-        shorter than original_context / high_freq_factor kept, and those in between blend
-        the two with s = (original_context / wavelength - low) / (high - low).
-    ("longrope", original_context, attention_factor, *short_factors): frequency i divided by
-        short_factors[i] (Phi-3.5, Phi-4-mini), and cos/sin scaled by attention_factor (see
-        rotary). These are the factors transformers uses for sequences of at most
-        original_context tokens; longer ones, where it switches every position to the long
-        factors, are refused (GPT.check_length).
-    """
+    """The rot/2 rotary frequencies (radians per position), float32, as transformers computes
+    them, stretched by `scaling`: ("linear", factor) divides all; ("llama3", factor, low, high,
+    original_context) divides wavelengths longer than original / low, keeps those shorter
+    than original / high and blends between; ("longrope", original_context, attention_factor,
+    *short_factors) divides frequency i by short_factors[i] (Phi-3.5, Phi-4-mini; cos and sin
+    scaled by attention_factor, rotary_angles), the factors of sequences up to
+    original_context (longer ones are refused: GPT.check_length)."""
     inv_freq = 1.0 / (base ** (jnp.arange(0, rot, 2, dtype=jnp.float32) / rot))
     if scaling is None:
         return inv_freq
@@ -284,25 +260,17 @@ def attend_reference(q_BTHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, al
 def attend(q_BTHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allowed_BTS: jax.Array,
            scale: Optional[float] = None, softcap: Optional[float] = None,
            prefix: Optional[Tuple[jax.Array, jax.Array]] = None) -> jax.Array:
-    """attend_reference, fast: softmax(q k^T * scale) v, each group of H/K query heads sharing one key/value head;
-    scale None means 1 / sqrt(E). With a softcap (Gemma 2) the scaled scores become
-    softcap * tanh(scores / softcap) before the mask, as transformers caps them.
+    """attend_reference, fast. Keys and values come head-major, [B, K, S, E], the KV cache's
+    own layout, so both einsums are batched over (B, K) and XLA copies nothing of the cache.
+    A decoding step (one query per row) with grouped heads takes a multiply and a sum for
+    each product, one fused pass over the cache (a CPU's dots of G rows read it slowly);
+    GPT-2's one head per key head keeps the matmuls. Scores and softmax are float32; fully
+    masked rows (left padding) come out finite and are never read by real tokens.
 
-    Keys and values come head-major, [B, K, S, E], the KV cache's own layout: both einsums
-    are then batched over (B, K) with S and E where a matmul wants them, so XLA copies
-    nothing of the cache at a decoding step. At a decoding step (one query per row) with
-    grouped heads (G = H / K > 1) both products are a multiply and a sum instead, which XLA
-    fuses into one pass over the cache (its CPU dots of G rows read the cache slowly); with
-    one query head per key head (GPT-2) they stay matmuls, where the dot is the quicker
-    (docs/speed.md has the numbers). Scores and softmax are float32; fully masked rows (left
-    padding) come out finite and are never read by real tokens.
-
-    prefix (k_KQE, v_KQE): Q keys and values before every row's own S, all of them seen by
-    every query (a batch's shared few-shot examples, KVCache.prefix_keys). At a decoding
-    step their scores are one matmul over all rows' queries, so the prefix is read once,
-    not once per row, and the softmax runs over the Q + S scores together, in the order of
-    one [Q + S] cache. A block of queries (a prefill) sees it copied before each row's keys:
-    there the products' cost is the queries', and scores split in two would cost passes.
+    prefix (k_KQE, v_KQE): Q keys and values every query sees before its row's S (a batch's
+    shared few-shot examples, KVCache.prefix_keys): at a decoding step one matmul over all
+    rows' queries, read once, the softmax over Q + S together; a prefill sees it copied
+    before each row's keys (scores split in two would cost passes).
     """
     B, T, H, E = q_BTHE.shape
     K = k_BKSE.shape[1]
@@ -338,14 +306,14 @@ def attend(q_BTHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allowed_BTS:
     # softmax normalized after the product with v, T x E divisions instead of T x S: on a
     # CPU each pass over the scores costs more than the products
     weights = jnp.exp(scores - jax.lax.stop_gradient(scores.max(-1, keepdims=True)))
-    y_BKGTE = jnp.einsum("bkgts,bkse->bkgte", weights.astype(v_BKSE.dtype), v_BKSE,
-                         preferred_element_type=jnp.float32)
+    y_BKGTE = jnp.einsum("bkgts,bkse->bkgte", weights.astype(v_BKSE.dtype), v_BKSE, preferred_element_type=jnp.float32)
     y_BKGTE = y_BKGTE / weights.sum(-1, keepdims=True)
     return y_BKGTE.transpose(0, 3, 1, 2, 4).reshape(B, T, H, E).astype(v_BKSE.dtype)
 
 
 def capped(scores: jax.Array, E: int, scale: Optional[float], softcap: Optional[float]) -> jax.Array:
-    """Scores q.k scaled (None: by 1 / sqrt(E)) and, with a softcap, softcap * tanh(s / softcap)."""
+    """Scores q.k scaled (None: by 1 / sqrt(E)) and, with a softcap (Gemma 2), softcap *
+    tanh(s / softcap) before the mask, as transformers caps them."""
     scores = scores / math.sqrt(E) if scale is None else scores * scale
     return scores if softcap is None else softcap * jnp.tanh(scores / softcap)
 
@@ -363,10 +331,10 @@ class AttentionConfig:
     qk_norm: bool = False
     norm_eps: float = 1e-6
     norm_offset: float = 0.0  # q/k norm scale (offset + weight): Gemma 1.0
-    rope: bool = False
+    rope: bool = False  # its tables come in (GPT.rotary_tables), from these three
     rotary_fraction: float = 1.0
     rope_theta: float = 10000.0
-    rope_scaling: Optional[Tuple[Any, ...]] = None  # see rope_frequencies
+    rope_scaling: Optional[Tuple[Any, ...]] = None
     qk_norm_full: bool = False  # the q/k norm over all heads' width at once (OLMo 2), not per head
     window: Optional[int] = None  # a query sees itself and the window - 1 keys before it; None: all
     scale: Optional[float] = None  # of the scores q.k; None: 1 / sqrt(head_dim)
@@ -386,19 +354,12 @@ def attend_causal(q_BTHE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, allow
                   scale: Optional[float] = None, window: Optional[int] = None,
                   softcap: Optional[float] = None, query_block: int = 256) -> jax.Array:
     """attend_reference without a cache, fast, where no query sees a later key (rows right
-    padded, or packed; see GPT.decode). allowed_BTS None: plain causal, and with a window W
-    query i sees keys i - W < j <= i (causal_window); else allowed_BTS says which keys each
-    query sees (the window folded in).
-
-    Three ways to one result:
-    - cuDNN's fused kernel on a GPU in half precision, plain causal without a soft-cap
-      (flash attention: the [T, S] scores are never in memory);
-    - rows of at most query_block // 4 tokens: attend's einsums over every row's whole
-      square at once (on a CPU as quick as a row at a time, and no loop to compile);
-    - longer rows in blocks of query_block queries (attend_blocks; one for a row that
-      short), each seeing only the keys up to its last query: the scores of later keys, all
-      masked, are never computed. On a CPU a few rows at a time (rows_at_a_time).
-    """
+    padded, or packed). allowed_BTS None: plain causal within the window W (i - W < j <= i);
+    else which keys each query sees. Three ways: cuDNN's fused kernel on a GPU in half
+    precision, plain causal without a soft-cap; rows of at most query_block // 4 tokens
+    through attend's einsums, whole squares at once; longer rows in blocks of query_block
+    queries (attend_blocks), each over the keys up to its last query only (on a CPU a few
+    rows at a time, rows_at_a_time)."""
     B, T = q_BTHE.shape[:2]
     if allowed_BTS is None and softcap is None and uses_cudnn(q_BTHE.dtype):
         local = None if window is None else (window - 1, 0)  # i - left <= j <= i + right
@@ -428,9 +389,8 @@ def attend_causal(q_BTHE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, allow
 
 def rows_at_a_time(B: int) -> int:
     """How many rows attend_blocks takes at once: all B on an accelerator; on a CPU one per
-    device of the mesh's "batch" axis, so that a block's scores stay in cache (over twice
-    as quick at 256 tokens and more). The mesh is the one traced under (jax.set_mesh;
-    InferenceJob does)."""
+    device of the "batch" axis of the mesh traced under (jax.set_mesh), so that a block's
+    scores stay in cache."""
     if jax.default_backend() != "cpu":
         return B
     mesh = jax.sharding.get_abstract_mesh()
@@ -453,8 +413,7 @@ def attend_blocks(q_BTHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allow
             allowed = causal_window(start, end, lo, end, window)[None]
         else:
             lo, allowed = 0, allowed_BTS[:, start:end, :end]
-        outs.append(attend(q_BTHE[:, start:end], k_BKSE[:, :, lo:end], v_BKSE[:, :, lo:end], allowed,
-                           scale, softcap))
+        outs.append(attend(q_BTHE[:, start:end], k_BKSE[:, :, lo:end], v_BKSE[:, :, lo:end], allowed, scale, softcap))
     return jnp.concatenate(outs, 1)
 
 
@@ -469,21 +428,18 @@ class Layer(NamedTuple):
     """What differs from one layer to the next, scanned over with the layers' stacked
     parameters (GPT.decode): the layer's index (where it reads and writes the stacked KV
     cache), whether it is a local layer where local and global ones mix (None: all alike,
-    the window decided once), which of Context.rotary's tables it uses where they differ
-    (None: the first), and its shared prefix's (k_KQE, v_KQE) (None without one)."""
+    see GPT.layer_kinds), and its shared prefix's (k_KQE, v_KQE) (None without one)."""
 
     depth: jax.Array
     local: Optional[jax.Array]
-    rope: Optional[jax.Array]
     prefix: Optional[Tuple[jax.Array, jax.Array]]
 
 
 def cache_write(cache_LBKSE: jax.Array, depth: jax.Array, slot: jax.Array,
                 new_BKTE: jax.Array) -> Tuple[jax.Array, jax.Array]:
-    """(layer `depth`'s cache with the T new keys or values at `slot` [B, K, S, E], to attend
-    over; the stack [L, B, K, S, E] with them written in place). The stack's new entries are
-    read back from the layer's, so the layer is read before the stack is written: written
-    straight from new_BKTE, XLA copied the whole stack at every layer to keep both."""
+    """(layer `depth`'s cache with the T new keys or values at `slot` [B, K, S, E]; the stack
+    [L, B, K, S, E] with them written in place), the layer read before the stack is written
+    (written from new_BKTE directly, XLA copied the whole stack at every layer to keep both)."""
     layer_BKSE = jax.lax.dynamic_update_slice(jax.lax.dynamic_index_in_dim(cache_LBKSE, depth, 0, False),
                                               new_BKTE.astype(cache_LBKSE.dtype), (0, 0, slot, 0))
     written_1BKTE = jax.lax.dynamic_slice_in_dim(layer_BKSE, slot, new_BKTE.shape[2], 2)[None]
@@ -491,14 +447,10 @@ def cache_write(cache_LBKSE: jax.Array, depth: jax.Array, slot: jax.Array,
 
 
 class Attention(Module):
-    """Causal self-attention with grouped key/value heads, optional q/k norm and rotary.
-
-    With the KV cache of every layer (k_LBKSE, v_LBKSE), the new keys and values are
-    written into this layer's at `slot` and the queries attend over its S slots (attend);
-    `allowed_BTS` says which ones they may see (the caller includes this layer's window in
-    it). Without a cache, attend_causal: allowed_BTS None there means plain causal attention
-    within the config's window.
-    """
+    """Causal self-attention with grouped key/value heads, optional q/k norm and rotary. With
+    the KV cache of every layer (k_LBKSE, v_LBKSE) the new keys and values go into this
+    layer's at `slot` and the queries attend over its S slots (attend) as allowed_BTS says,
+    the window included; without one, attend_causal (allowed_BTS None: plain causal)."""
 
     cfg: AttentionConfig = AttentionConfig()
 
@@ -509,8 +461,7 @@ class Attention(Module):
         self.k = Linear(features=K * E, axes=("embed", "kv_heads"), use_bias=c.qkv_bias, **dt)
         self.v = Linear(features=K * E, axes=("embed", "kv_heads"), use_bias=c.qkv_bias, **dt)
         # GPT-2 scales the init of layers that write into the residual stream by 1/sqrt(2L)
-        self.o = Linear(features=c.width, axes=("heads", "embed"), use_bias=c.out_bias,
-                        init_std=c.residual_std, **dt)
+        self.o = Linear(features=c.width, axes=("heads", "embed"), use_bias=c.out_bias, init_std=c.residual_std, **dt)
         if c.qk_norm:  # Qwen3: RMSNorm over each head's width, before rotary; OLMo 2 over all heads'
             norm = dict(kind="rmsnorm", eps=c.norm_eps, use_bias=False, offset=c.norm_offset, **dt)
             q_axis, k_axis = ("heads", "kv_heads") if c.qk_norm_full else ("head_dim", "head_dim")
@@ -596,8 +547,7 @@ class MLP(Module):
         self.up = Linear(features=c.hidden, axes=("embed", "mlp"), use_bias=c.bias, **dt)
         if c.kind in ("swiglu", "geglu"):
             self.gate = Linear(features=c.hidden, axes=("embed", "mlp"), use_bias=c.bias, **dt)
-        self.down = Linear(features=c.width, axes=("mlp", "embed"), use_bias=c.bias,
-                           init_std=c.residual_std, **dt)
+        self.down = Linear(features=c.width, axes=("mlp", "embed"), use_bias=c.bias, init_std=c.residual_std, **dt)
         self.drop = nn.Dropout(c.dropout)
 
     def __call__(self, x_BTD: jax.Array, deterministic: bool = True) -> jax.Array:
@@ -628,11 +578,9 @@ def expert_weights(logits_BTX: jax.Array, active: int, norm_topk_prob: bool) -> 
 
 @dataclasses.dataclass(frozen=True)
 class ExpertsConfig:
-    """A mixture of experts: n_experts gated MLPs of the MLPConfig's sizes and kind, of which
-    the router picks `active` per token; norm_topk_prob renormalises the picked weights to
-    sum 1 (Mixtral always, Qwen-MoE and OLMoE as their config says); shared_hidden: the
-    width of one more MLP that every token goes through, scaled by a sigmoid gate
-    (Qwen2-MoE), or None."""
+    """n_experts gated MLPs of the MLPConfig's sizes and kind, `active` per token, the picked
+    weights renormalised with norm_topk_prob; shared_hidden: one more MLP's width that every
+    token goes through, scaled by a sigmoid gate (Qwen2-MoE), or None."""
 
     n_experts: int = 4
     active: int = 2
@@ -641,19 +589,12 @@ class ExpertsConfig:
 
 
 class MoE(Module):
-    """A mixture of gated-MLP experts (Mixtral, Qwen-MoE, OLMoE), X experts, A active.
-
-    Routing as transformers computes it: a softmax over the router's X logits in float32,
-    the A largest probabilities (on a tie the lower expert index wins, jax.lax.top_k's rule;
-    torch.topk's choice among equals is its own), renormalised with norm_topk_prob. Dense
-    dispatch: every expert computes every token and the combination weights are zero
-    outside each token's top A, so no token is ever dropped (there is no capacity to
-    exceed) and the result is exact; the arithmetic is X/A times the active experts',
-    which flops() does not count (it counts the active ones, as a model's FLOPs are
-    counted). The experts' weights are stacked [X, ...] on the logical axis "experts",
-    which the plan splits over "shard" (expert parallel): each device runs its own experts
-    on every token and the weighted sum over X adds the devices' parts together.
-    """
+    """A mixture of gated-MLP experts (Mixtral, Qwen-MoE, OLMoE), X experts, A active, routed
+    as transformers routes (expert_weights). Dense dispatch: every expert computes every token,
+    weighted zero outside its top A, so no token is dropped and the result is exact, at X/A
+    times the active experts' arithmetic (flops() counts the active ones). The experts are
+    stacked [X, ...] on the logical axis "experts", split over "shard" (expert parallel): each
+    device runs its own on every token, and the weighted sum over X adds the devices' parts."""
 
     cfg: MLPConfig = MLPConfig(kind="swiglu")
     experts: ExpertsConfig = ExpertsConfig()
@@ -717,13 +658,10 @@ def relative_update(x_BTD: jax.Array, residual_BTD: jax.Array, mask_BT: jax.Arra
 
 
 class Block(Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)).
-    With parallel_residual (GPT-NeoX): x + attn(norm1(x)) + mlp(norm2(x)).
-    With sandwich_norm (Gemma) each sublayer's output is normed too before it is added:
-    x + norm3(attn(norm1(x))), then x + norm4(mlp(norm2(x))); without pre_norm as well
-    (OLMo 2) only the outputs are: x + norm3(attn(x)), then x + norm4(mlp(x)). Each
-    sublayer's output is scaled by residual_multiplier before it is added (Granite).
-    With `experts` the MLP is a mixture of experts (MoE)."""
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); parallel_residual (GPT-NeoX):
+    x + attn(norm1(x)) + mlp(norm2(x)); sandwich_norm (Gemma) norms each sublayer's output
+    too, and without pre_norm (OLMo 2) only its output; residual_multiplier scales each
+    output (Granite); with `experts` the MLP is a mixture (MoE)."""
 
     attention: AttentionConfig = AttentionConfig()
     feedforward: MLPConfig = MLPConfig()
@@ -756,12 +694,12 @@ class Block(Module):
         None) -> ((x_BTD after the block, the cache with this layer's new keys and values),
         the block's relative update (see relative_update) if `measure`, else None)."""
         x_BTD, kv = carry
-        allowed_BTS = context.allowed_BTS
-        if layer.local is not None:  # local and global layers mix: the mask is picked per layer
-            allowed_BTS = jnp.where(layer.local, context.local_BTS, context.allowed_BTS)
-        rotary_tables = None
-        if context.rotary is not None:  # this layer's of the distinct tables [N, B, T, R]
-            rotary_tables = tuple(t[0 if layer.rope is None else layer.rope] for t in context.rotary)
+        allowed_BTS, kind = context.allowed_BTS, 0
+        if layer.local is not None:  # local and global layers mix: each picks its rotary table and mask
+            kind = layer.local.astype(jnp.int32)
+            if context.local_BTS is not None:
+                allowed_BTS = jnp.where(layer.local, context.local_BTS, context.allowed_BTS)
+        rotary_tables = None if context.rotary is None else tuple(t[kind] for t in context.rotary)
         attn_in_BTD = self.ln_1(x_BTD) if self.pre_norm else x_BTD
         a_BTD, kv = self.attn(attn_in_BTD, rotary_tables, allowed_BTS, layer, deterministic, kv, context.slot, fresh)
         if self.sandwich_norm:
@@ -783,12 +721,10 @@ class Block(Module):
 
 
 class KVCache(NamedTuple):
-    """The decoder's state: every layer's keys and values, stacked [L, B, K, S, E], which of
-    the S slots hold real tokens [B, S], and the slot the next token goes to (a scalar).
-
-    prefix_keys, prefix_values: [L, K, Q, E], Q tokens that come before every row's slots
-    (the few-shot examples all prompts of a batch begin with, fast.start_rollout), held
-    once for the batch: a decoding step reads them once, not once per row; None without."""
+    """The decoder's state: every layer's keys and values [L, B, K, S, E], which slots hold
+    real tokens [B, S], the slot the next token goes to; and prefix_keys, prefix_values
+    [L, K, Q, E] (or None): Q tokens before every row's slots (a batch's shared few-shot
+    examples, fast.start_rollout), held and read once for the batch, not once per row."""
 
     keys: jax.Array
     values: jax.Array
@@ -803,12 +739,10 @@ class KVCache(NamedTuple):
 
 
 class Context(NamedTuple):
-    """What every layer sees alike (GPT.decode): which keys each query sees on global layers
-    and on local ones ([B, T, S]; None: plain causal, see attend_causal; local_BTS is read
-    only where local and global layers mix), the rotary tables of the layers' N distinct
-    rotary settings ((cos, sin) [N, B, T, R], computed once for all layers; None without
-    rotary), the real tokens [B, T], and the cache slot the new tokens go to (None without
-    a cache)."""
+    """What every layer sees alike (GPT.decode): which keys each query sees on global and on
+    local layers [B, T, S] (None: plain causal; the local ones only where kinds mix), each
+    layer kind's rotary (cos, sin) [N, B, T, R] (GPT.rotary_tables), the real tokens [B, T],
+    and the cache slot of the new tokens (None without a cache)."""
 
     allowed_BTS: Optional[jax.Array]
     local_BTS: Optional[jax.Array]
@@ -818,8 +752,8 @@ class Context(NamedTuple):
 
 
 def float32_in_full(method: Any) -> Any:
-    """A GPT method whose matmuls, with float32 activations, run at full float32 precision:
-    jax's default on a GPU is TF32 (about 1e-3 relative), where torch's float32 is float32."""
+    """A GPT method whose float32 matmuls run at full precision (jax's default on a GPU is
+    TF32, on a TPU bfloat16 passes; torch's float32 is float32)."""
     @functools.wraps(method)
     def run(self: "GPT", *args: Any, **kwargs: Any) -> Any:
         with jax.default_matmul_precision("highest" if jnp.dtype(self.adtype) == jnp.float32 else None):
@@ -905,63 +839,55 @@ class GPT(Module):
         return self.window_pattern[depth % len(self.window_pattern)] == "S"
 
     @property
-    def mixed_windows(self) -> bool:
-        """Whether local (windowed) and global layers alternate (Gemma 2 and 3): then the
-        window is a mask picked per layer (Block), not a setting of the one scanned block."""
+    def layer_kinds(self) -> List[bool]:
+        """The kinds of layer (is_local): one, or global and local where they mix and differ
+        (Gemma 2, 3), each layer's then a scanned input (Layer.local) picking its mask and rotary."""
         kinds = {self.is_local(depth) for depth in range(self.n_layers)}
-        return self.sliding_window is not None and len(kinds) > 1
+        differ = self.sliding_window is not None or self.local_rope_theta is not None
+        return [False, True] if len(kinds) > 1 and differ else [self.is_local(0)]
 
-    def layer_attention(self, depth: int) -> AttentionConfig:
-        """Layer `depth`'s attention: the sizes and options of all of them, and on a local
-        layer the sliding window and its own plain rotary base (local_rope_theta), if set."""
-        config = AttentionConfig(
+    def attention_config(self, local: bool) -> AttentionConfig:
+        """A layer's attention: the sizes and options of all of them, and on a local layer its
+        own plain rotary base (local_rope_theta), if set, and its sliding window where all
+        layers are local (where kinds mix, the mask holds it)."""
+        c = AttentionConfig(
             width=self.n_embd, n_head=self.n_head, n_kv_head=self.kv_heads, head_dim=self.head_width,
             qkv_bias=self.has_qkv_bias, out_bias=self.bias, qk_norm=self.qk_norm, norm_eps=self.norm_eps,
             norm_offset=self.norm_offset, rope=self.rope, rotary_fraction=self.rotary_fraction,
             qk_norm_full=self.qk_norm_full, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
             scale=self.attn_scale, softcap=self.attn_softcap, dropout=self.dropout,
             residual_std=0.02 / math.sqrt(2 * self.n_layers), reference=self.attention == "reference",
-            query_block=self.query_block)
-        if not self.is_local(depth):
-            return config
-        config = dataclasses.replace(config, window=self.sliding_window)
-        if self.local_rope_theta is not None:  # Gemma 3: plain rotary with its own base
-            config = dataclasses.replace(config, rope_theta=self.local_rope_theta, rope_scaling=None)
-        return config
+            query_block=self.query_block, window=self.sliding_window if self.layer_kinds == [True] else None)
+        if local and self.local_rope_theta is not None:  # Gemma 3
+            c = dataclasses.replace(c, rope_theta=self.local_rope_theta, rope_scaling=None)
+        return c
 
     def block_fields(self) -> Dict[str, Any]:
-        """The fields of the Block every layer runs (GPT.setup scans it). Where local and
-        global layers mix, its attention has no window of its own: the mask says it."""
-        attention = self.layer_attention(0)
-        if self.mixed_windows:
-            attention = dataclasses.replace(attention, window=None)
-        residual_std = 0.02 / math.sqrt(2 * self.n_layers)
+        """The fields of the one Block every layer runs (GPT.setup scans it)."""
         feedforward = MLPConfig(width=self.n_embd, hidden=self.mlp_width, kind=self.mlp, bias=self.bias,
-                                dropout=self.dropout, residual_std=residual_std)
+                                dropout=self.dropout, residual_std=0.02 / math.sqrt(2 * self.n_layers))
         experts = None if self.n_experts is None else ExpertsConfig(
             n_experts=self.n_experts, active=self.n_experts_per_token, norm_topk_prob=self.norm_topk_prob,
             shared_hidden=self.shared_expert_hidden)
-        return dict(attention=attention, feedforward=feedforward, experts=experts, norm=self.norm,
-                    norm_eps=self.norm_eps, norm_bias=self.bias, norm_offset=self.norm_offset,
+        return dict(attention=self.attention_config(self.layer_kinds[0]), feedforward=feedforward, experts=experts,
+                    norm=self.norm, norm_eps=self.norm_eps, norm_bias=self.bias, norm_offset=self.norm_offset,
                     parallel_residual=self.parallel_residual, sandwich_norm=self.sandwich_norm,
                     pre_norm=self.pre_norm, residual_multiplier=self.residual_multiplier,
                     param_dtype=self.param_dtype, activation_dtype=self.activation_dtype)
 
-    def rotary_settings(self) -> Tuple[List[AttentionConfig], List[int]]:
-        """The layers' distinct rotary settings (a layer's attention config stands for its
-        own), and each layer's index among them: one, or a local and a global (Gemma 3)."""
-        keys = [(c.rope_theta, c.rope_scaling) for c in map(self.layer_attention, range(self.n_layers))]
-        distinct = list(dict.fromkeys(keys))
-        return [self.layer_attention(keys.index(k)) for k in distinct], [distinct.index(k) for k in keys]
-
     def layer_inputs(self, cache: Optional[KVCache]) -> Layer:
         """Each layer's Layer, stacked [L, ...] for the scan."""
-        L = self.n_layers
-        local = jnp.asarray([self.is_local(d) for d in range(L)]) if self.mixed_windows else None
-        settings, which = self.rotary_settings()
-        rope = jnp.asarray(which, jnp.int32) if self.rope and len(settings) > 1 else None
+        local = jnp.asarray([self.is_local(d) for d in range(self.n_layers)]) if len(self.layer_kinds) > 1 else None
         prefix = None if cache is None or cache.prefix_keys is None else (cache.prefix_keys, cache.prefix_values)
-        return Layer(jnp.arange(L, dtype=jnp.int32), local, rope, prefix)
+        return Layer(jnp.arange(self.n_layers, dtype=jnp.int32), local, prefix)
+
+    def rotary_tables(self, pos_BT: jax.Array) -> Optional[Tuple[jax.Array, jax.Array]]:
+        """(cos, sin) [N, B, T, R] of each kind of layer (layer_kinds) at these positions, or None
+        without rotary: computed once for every layer of a kind."""
+        if not self.rope:
+            return None
+        tables = [layer_rotary(self.attention_config(local), pos_BT) for local in self.layer_kinds]
+        return tuple(jnp.stack(t) for t in zip(*tables))
 
     @property
     def sharding(self) -> List[Tuple[str, Optional[str]]]:
@@ -980,8 +906,7 @@ class GPT(Module):
                             dtype=self.adtype)
         if not self.rope:
             pos_init = nn.with_logical_partitioning(nn.initializers.normal(0.02), (None, "embed"))
-            self.wpe = nn.Embed(self.block_size, self.n_embd, embedding_init=pos_init,
-                                param_dtype=self.pdtype)
+            self.wpe = nn.Embed(self.block_size, self.n_embd, embedding_init=pos_init, param_dtype=self.pdtype)
         self.drop = nn.Dropout(self.dropout)
         # one Block traced once and scanned over the layers' stacked parameters [L, ...] (the
         # logical axis "layers"), so a program's size and compile time do not grow with depth
@@ -1011,24 +936,17 @@ class GPT(Module):
     def decode(self, x: jax.Array, padding_mask: Optional[jax.Array] = None, deterministic: bool = False,
                positions: Optional[jax.Array] = None, cache: Optional[KVCache] = None,
                allowed: Optional[jax.Array] = None, fresh: bool = False, **kwargs: Any):
-        """Run the blocks over embeddings x [B, T, D]. Returns x, or (x, cache) with a cache.
+        """Run the blocks over embeddings x [B, T, D]: x, or (x, cache) with a cache.
 
-        padding_mask [B, T] is True at real tokens; padded keys are never attended to, so
-        padding cannot change real positions. Without one, every row is a sequence from
-        position 0 (right padding, if any, is never seen by the real tokens before it). With
-        a cache (see init_cache), the T new tokens go into slots cache.slot .. +T and attend
-        to the cache's prefix, if it has one, and every earlier valid slot. On local layers
-        a sliding window counts slots (token indices, as transformers counts them): with
-        left padding only, a row's real tokens sit in consecutive slots, so it is the window
-        of positions too; the slots after the new ones hold older tokens, if any (a ring,
-        see fast.refill_rollout). fresh: the cache is empty (a prefill from slot 0), so the new
-        tokens attend among themselves without a cache (attend_causal: in query blocks, over
-        the keys up to each block's end), not over all S slots, most of them empty.
-
-        allowed [B, T, T] (no cache) says outright which keys each query sees: several
-        sequences packed into one row, each with its own `positions` (fast.py packs the
-        choices of a question after their shared context). A sliding window then counts
-        positions, since a packed row's slots are not its positions.
+        padding_mask [B, T] is True at real tokens, which never attend to padding; without
+        one, every row is a sequence from position 0 (right padding unseen). With a cache
+        (init_cache) the T new tokens go into slots cache.slot .. +T and attend to its prefix
+        and every earlier valid slot; a sliding window counts slots, as transformers does
+        (with left padding, positions too); slots after the new ones hold older tokens (a
+        ring, fast.refill_rollout). fresh: the cache is empty, so the new tokens attend among
+        themselves (attend_causal), not over S slots mostly empty. allowed [B, T, T] (no cache)
+        says which keys each query sees: sequences packed into a row (fast.py), each with its
+        `positions`, a window counting positions.
         """
         x_BTD = x
         B, T, _ = x_BTD.shape
@@ -1048,11 +966,7 @@ class GPT(Module):
                 valid_BS = cache_valid_BS
         allowed_BTS, local_BTS = self.masks(pos_BT, allowed, padding_mask is not None or cache is not None,
                                             valid_BS, query_T, key_S)
-        rotary = None
-        if self.rope:
-            tables = [layer_rotary(c, pos_BT) for c in self.rotary_settings()[0]]
-            rotary = tuple(jnp.stack(t) for t in zip(*tables))
-        context = Context(allowed_BTS, local_BTS, rotary, mask_BT, slot)
+        context = Context(allowed_BTS, local_BTS, self.rotary_tables(pos_BT), mask_BT, slot)
         measure = self.is_mutable_collection("intermediates")  # asked for: see relative_update
         # for each layer in turn, on its own slice of the stacked parameters and cache:
         #     x_BTD, kv = Block(layer params)((x_BTD, kv), layer, context, ...)
@@ -1072,6 +986,7 @@ class GPT(Module):
         the fused causal path (no padding mask, no cache, nothing packed). Where all layers are
         local the first is the local one; where kinds mix both are made, None never."""
         allowed_BTS = local_BTS = None
+        windows_mix = len(self.layer_kinds) > 1 and self.sliding_window is not None
         if allowed is not None:  # packed rows: a window counts positions, not slots
             allowed_BTS = local_BTS = allowed
             if self.sliding_window is not None:
@@ -1080,18 +995,17 @@ class GPT(Module):
             allowed_BTS = local_BTS = causal_allowed(valid_BS, query_T, key_S)
             if self.sliding_window is not None:
                 local_BTS = allowed_BTS & window_allowed(query_T, key_S, self.sliding_window)[None]
-        elif self.mixed_windows:
+        elif windows_mix:
             T = pos_BT.shape[1]
-            allowed_BTS, local_BTS = causal_window(0, T, 0, T, None)[None], causal_window(0, T, 0, T, self.sliding_window)[None]
-        if self.mixed_windows:
+            allowed_BTS, local_BTS = (causal_window(0, T, 0, T, w)[None] for w in (None, self.sliding_window))
+        if windows_mix:
             return allowed_BTS, local_BTS
         return (local_BTS if self.is_local(0) else allowed_BTS), None
 
     def check_length(self, length: int) -> None:
-        """Longrope's factors hold up to its original context only: past it transformers
-        switches every position of the sequence to the long factors (and recomputes its KV
-        cache), a switch that a fixed-shape jitted block cannot make, so longer sequences
-        (or caches) are refused, not computed differently."""
+        """Longrope's factors hold up to its original context: past it transformers switches
+        every position to the long factors, which a fixed-shape block cannot, so longer
+        sequences (or caches) are refused, not computed differently."""
         if self.rope_scaling is not None and self.rope_scaling[0] == "longrope" and length > self.rope_scaling[1]:
             raise ValueError(f"longrope: {length} positions exceed original_max_position_embeddings "
                              f"{self.rope_scaling[1]}, beyond which transformers switches to the long factors")
@@ -1126,13 +1040,9 @@ class GPT(Module):
 
     def extend(self, idx: jax.Array, padding_mask: jax.Array, cache: KVCache,
                fresh: bool = False) -> Tuple[jax.Array, KVCache]:
-        """Append idx [B, T] to a KV cache: (logits of the last token [B, V], updated cache).
-        fresh: the cache is empty, as init_cache made it (see decode).
-
-        Only the last position is unembedded: decoding needs nothing else, and for a
-        prefill of T tokens the other T-1 rows of the [D, V] matmul would be wasted work.
-        No dropout.
-        """
+        """Append idx [B, T] to a KV cache: (logits of the last token [B, V], the cache), only
+        the last position unembedded (decoding needs nothing else); fresh: the cache is empty,
+        as init_cache made it (see decode). No dropout."""
         count_B = cache.prefix_length + cache.valid_BS.sum(-1)  # real tokens already in the cache
         pos_BT = jnp.maximum(count_B[:, None] + jnp.cumsum(padding_mask, -1) - 1, 0)
         x_BTD = self.embed(idx, True, positions=pos_BT)
@@ -1175,17 +1085,14 @@ FAMILIES = {
     "qwen3": dict(rope=True, mlp="swiglu", norm="rmsnorm", bias=False, qk_norm=True),
     "gpt_neox": dict(rope=True, mlp="gelu_exact", norm="layernorm", bias=True,
                      parallel_residual=True, tie_embeddings=False),
-    # Llama plus a sliding window on every layer (its size, from the config, is per checkpoint)
-    "mistral": dict(rope=True, mlp="swiglu", norm="rmsnorm", bias=False),
-    # local and global layers (window, pattern and both rotary bases come from the config)
+    "mistral": dict(rope=True, mlp="swiglu", norm="rmsnorm", bias=False),  # a window on every layer (config)
+    # local and global layers (window, pattern and both rotary bases from the config)
     "gemma3_text": dict(rope=True, mlp="geglu", norm="rmsnorm", bias=False, qk_norm=True, norm_offset=1.0,
                         sandwich_norm=True, embed_scale=True),
-    # Gemma 3 without the q/k norm; the config adds attention and final soft-caps, the query
-    # scale and its local/global layers (sliding_window, window_pattern "SG")
+    # Gemma 3 without the q/k norm; the config adds soft-caps, the query scale, the window pattern "SG"
     "gemma2": dict(rope=True, mlp="geglu", norm="rmsnorm", bias=False, norm_offset=1.0, sandwich_norm=True,
                    embed_scale=True),
-    # Llama (its fused qkv_proj and gate_up_proj are a file layout); the config adds the
-    # rotary fraction (Phi-4-mini 0.75), longrope scaling and a window
+    # Llama in a fused file layout; the config adds the rotary fraction, longrope and a window
     "phi3": dict(rope=True, mlp="swiglu", norm="rmsnorm", bias=False),
     # norms after each sublayer only, and q/k norms over all heads' width
     "olmo2": dict(rope=True, mlp="swiglu", norm="rmsnorm", bias=False, qk_norm=True, qk_norm_full=True,
@@ -1231,17 +1138,15 @@ def token_nll(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
 
 
 def first_largest(logits_BV: jax.Array) -> jax.Array:
-    """jnp.argmax over the last axis (the first of equal largest values) as a max and a
-    masked min, two fused passes: XLA's CPU argmax, a paired value-and-index reduction, is
-    three times slower, at every decoding step. A row holding NaN gets the last index, not
-    the NaN's; decoding refuses such rows anyway (finite_rows)."""
+    """jnp.argmax over the last axis (the first of equal largest values) as a max and a masked
+    min, two fused passes where XLA's CPU argmax is three times slower. A row holding NaN
+    gets the last index; decoding refuses such rows anyway (finite_rows)."""
     V = logits_BV.shape[-1]
     largest_B1 = logits_BV.max(-1, keepdims=True)
     return jnp.where(logits_BV == largest_B1, jnp.arange(V, dtype=jnp.int32), V - 1).min(-1)
 
 
-def sample_token(logits_BV: jax.Array, keys_B: Optional[jax.Array], temperature: float,
-                 top_p: float) -> jax.Array:
+def sample_token(logits_BV: jax.Array, keys_B: Optional[jax.Array], temperature: float, top_p: float) -> jax.Array:
     """Greedy when temperature is 0, else temperature + nucleus (top-p) sampling."""
     if temperature == 0.0:
         return first_largest(logits_BV)
@@ -1272,13 +1177,11 @@ def pick_token(logits_BV: jax.Array, step: jax.Array, keys_B: Optional[jax.Array
 def generate(model: GPT, params: Any, prompt_BP: jax.Array, mask_BP: jax.Array, max_new_tokens: int,
              eos_id: Optional[int] = None, temperature: float = 0.0, top_p: float = 1.0,
              keys_B: Optional[jax.Array] = None) -> jax.Array:
-    """Autoregressive decoding with a KV cache, the plain way: the prefill of the
-    left-padded prompts (mask_BP True at real tokens), then a loop of max_new_tokens steps,
-    each picking every row's next token and feeding it in. keys_B (one PRNG key per sample)
-    makes sampling independent of batching. Returns the new tokens [B, N]; after a row's
-    eos_id the rest of the row repeats eos_id, and a row with an empty prompt is eos_id
-    throughout (0 without one). fast.py's decoder gives the same tokens (start_rollout,
-    continue_rollout, refill_rollout)."""
+    """Autoregressive decoding with a KV cache, the plain way: the prefill of the left-padded
+    prompts (mask_BP True at real tokens), then max_new_tokens steps, each feeding in every
+    row's next token; keys_B (a PRNG key per sample) makes sampling independent of batching.
+    The new tokens [B, N]: eos_id after a row's eos_id, and throughout for an empty prompt (0
+    without one). fast.py's decoder gives the same tokens."""
     B, P = prompt_BP.shape
     fill = 0 if eos_id is None else eos_id
     logits_BV, cache = model.apply(params, prompt_BP, mask_BP, model.init_cache(B, P + max_new_tokens), True,
@@ -1299,17 +1202,13 @@ def generate(model: GPT, params: Any, prompt_BP: jax.Array, mask_BP: jax.Array, 
 
 
 def make_mesh(batch: Optional[int] = None, shard: int = 1, devices: Optional[List[Any]] = None) -> Mesh:
-    """A ("batch", "shard") mesh over `devices` (default: all); batch defaults to devices // shard.
-
-    Axis types are Auto: shardings of parameters and inputs are given, and XLA's
-    partitioner propagates them through the computation.
-    """
+    """A ("batch", "shard") mesh over `devices` (default: all), batch devices // shard by
+    default; Auto axes: parameters and inputs are sharded, XLA's partitioner does the rest."""
     n = jax.device_count() if devices is None else len(devices)
     batch = n // max(shard, 1) if batch is None else batch
     if batch < 1 or shard < 1 or batch * shard != n:
         raise ValueError(f"mesh {batch}x{shard} needs {batch * shard} devices, but there are {n}")
-    return jax.make_mesh((batch, shard), ("batch", "shard"), axis_types=(AxisType.Auto,) * 2,
-                         devices=devices)
+    return jax.make_mesh((batch, shard), ("batch", "shard"), axis_types=(AxisType.Auto,) * 2, devices=devices)
 
 
 def parse_mesh(text: str) -> Tuple[int, int]:
@@ -1321,11 +1220,8 @@ def parse_mesh(text: str) -> Tuple[int, int]:
 
 
 def param_shardings(model: Module, mesh: Mesh, boxed_shapes: Any) -> Any:
-    """NamedShardings for a tree of logically partitioned parameter shapes.
-
-    A dimension that the mesh axis does not divide evenly (GPT-2's 50257-token vocabulary
-    over 2 shards) stays replicated rather than failing.
-    """
+    """NamedShardings for a tree of logically partitioned parameter shapes; a dimension the
+    mesh axis does not divide (GPT-2's 50257-token vocabulary over 2) stays replicated."""
     specs = nn.get_partition_spec(boxed_shapes)
     mesh_specs = nn.logical_to_mesh(specs, model.sharding)
     shapes = nn.meta.unbox(boxed_shapes)
@@ -1346,9 +1242,8 @@ def input_sharding(model: Module, mesh: Mesh, logical_axes: Tuple[Optional[str],
 
 @functools.lru_cache(maxsize=4)
 def abstract_params(model: Module, seq: int = 8) -> Any:
-    """Parameter shapes (with logical axis names) without allocating anything. Kept for the
-    last few models (modules hash by their fields): loading a checkpoint asks twice, and
-    tracing a 30-layer init takes about half a second."""
+    """Parameter shapes (with logical axis names) without allocating anything, kept for the
+    last few models (modules hash by their fields): loading a checkpoint asks twice."""
     idx = jnp.zeros((1, seq), jnp.int32)
     return jax.eval_shape(lambda: model.init(jax.random.key(0), idx, deterministic=True))
 
@@ -1363,13 +1258,9 @@ def init_params(model: Module, mesh: Mesh, seed: int = 0) -> Any:
 
 
 def place_params(model: Module, mesh: Mesh, host_params: Any) -> Any:
-    """Put a host parameter tree into the model's mesh shardings, block by block.
-
-    A leaf is a numpy array, or anything with a shape whose [index] reads that block as
-    numpy (a checkpoint's tensors, read only then: see checkpoints.LazyTensor). Each process reads
-    only the blocks its devices hold, each distinct block once however many of its devices
-    hold it, and a parameter's blocks are let go once they are on their devices.
-    """
+    """A host parameter tree into the model's mesh shardings, block by block: a leaf is a numpy
+    array, or anything whose [index] reads that block as numpy (checkpoints.LazyTensor). Each
+    process reads only its devices' blocks, each once, let go once placed."""
     shardings = param_shardings(model, mesh, abstract_params(model))
     dtype = model.pdtype
 

@@ -61,16 +61,19 @@ class CompileLog:
         """The programs since events[mark]: how many were compiled (their names, in order) and
         loaded, and the seconds all of them took to trace, lower and compile or load."""
         new = self.events[mark:]
-        names = [name for event, name, _, loaded in new if event == self.BACKEND and not loaded]
-        return {"compiles": len(names), "names": names, "loaded": sum(loaded for *_, loaded in new),
-                "seconds": sum(seconds for _, _, seconds, _ in new)}
+        compiled = [(seconds, name) for event, name, seconds, loaded in new if event == self.BACKEND and not loaded]
+        return {"compiles": len(compiled), "names": [name for _, name in compiled],
+                "loaded": sum(loaded for *_, loaded in new), "seconds": sum(seconds for _, _, seconds, _ in new),
+                "longest": max(compiled, default=(0.0, None))}
 
     def programs(self, mark: int) -> Dict[str, Any]:
-        """since(mark) as results.json records it: counts, seconds, and each program's name
-        with how many times it was compiled."""
+        """since(mark) as results.json records it: counts, seconds, each program's name with
+        how many times it was compiled, and the one whose compiling (XLA's part) took longest."""
         new = self.since(mark)
+        seconds, name = new["longest"]
         return {"compiled": new["compiles"], "loaded": new["loaded"], "seconds": round(new["seconds"], 3),
-                "by_name": dict(collections.Counter(new["names"]))}
+                "by_name": dict(collections.Counter(new["names"])),
+                "longest_compile": {"name": name, "seconds": round(seconds, 3)}}
 
 
 _COMPILE_LOG: List[CompileLog] = []

@@ -596,10 +596,7 @@ def loop_over_layers(model, variables, idx, mask, cache, fresh, jit):
             if not fresh:
                 valid, query, key = valid_all, slot + jnp.arange(T), jnp.arange(cache.valid_BS.shape[1])
         allowed, local = m.masks(pos, None, True, valid, query, key)
-        rotary = None
-        if m.rope:
-            rotary = tuple(jnp.stack(t) for t in zip(*(gpt.layer_rotary(c, pos) for c in m.rotary_settings()[0])))
-        return m.embed(idx, True, positions=pos), gpt.Context(allowed, local, rotary, mask, slot), \
+        return m.embed(idx, True, positions=pos), gpt.Context(allowed, local, m.rotary_tables(pos), mask, slot), \
             m.layer_inputs(cache), valid_all
 
     block = gpt.Block(**model.block_fields())
@@ -2867,7 +2864,7 @@ def test_hub_config_spellings_map_onto_gpt_fields(tmp_path, name):
     rot = int(model.head_width * model.rotary_fraction) // 2 * 2
     for layer_type, (theirs, scaling) in rotary_frequencies_of(config).items():
         depth = config.layer_types.index(layer_type) if layer_type else 0
-        block = model.layer_attention(depth)
+        block = model.attention_config(model.is_local(depth))
         ours = gpt.rope_frequencies(rot, block.rope_theta, block.rope_scaling)
         np.testing.assert_allclose(np.asarray(ours), theirs, rtol=1e-6)  # XLA's pow and torch's: an ulp apart
         assert (block.rope_scaling[2] if block.rope_scaling and block.rope_scaling[0] == "longrope" else 1.0) == scaling
