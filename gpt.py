@@ -646,17 +646,6 @@ class MoE(Module):
         return [Linear, MLP]
 
 
-def relative_update(x_BTD: jax.Array, residual_BTD: jax.Array, mask_BT: jax.Array) -> jax.Array:
-    """A block's relative update ||x - residual|| / ||residual||: the norms over the model
-    width at each token, their mean over real tokens. GPT.decode sows the layers' [L] as
-    intermediates["residual_update"], computed only when apply() is given
-    mutable=["intermediates"]."""
-    x_BTD, r_BTD = x_BTD.astype(jnp.float32), residual_BTD.astype(jnp.float32)
-    ratio_BT = jnp.linalg.norm(x_BTD - r_BTD, axis=-1) / (jnp.linalg.norm(r_BTD, axis=-1) + 1e-12)
-    weight_BT = mask_BT.astype(jnp.float32)
-    return (ratio_BT * weight_BT).sum() / jnp.maximum(weight_BT.sum(), 1.0)
-
-
 class Block(Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); parallel_residual (GPT-NeoX):
     x + attn(norm1(x)) + mlp(norm2(x)); sandwich_norm (Gemma) norms each sublayer's output
@@ -692,7 +681,7 @@ class Block(Module):
                  context: "Context", deterministic: bool = True, fresh: bool = False, measure: bool = False):
         """One layer, as GPT.decode scans it: carry (x_BTD, the KV cache of every layer or
         None) -> ((x_BTD after the block, the cache with this layer's new keys and values),
-        the block's relative update (see relative_update) if `measure`, else None)."""
+        x_BTD after the block if `measure` (GPT.measure's), else None)."""
         x_BTD, kv = carry
         allowed_BTS, kind = context.allowed_BTS, 0
         if layer.local is not None:  # local and global layers mix: each picks its rotary table and mask
@@ -710,7 +699,7 @@ class Block(Module):
         if self.sandwich_norm:
             m_BTD = self.ln_mlp_out(m_BTD)
         out_BTD = x_BTD + a_BTD + m_BTD * self.residual_multiplier
-        return (out_BTD, kv), relative_update(out_BTD, x_BTD, context.mask_BT) if measure else None
+        return (out_BTD, kv), out_BTD if measure else None
 
     @classmethod
     def components(cls) -> List[Type[Any]]:
@@ -967,14 +956,14 @@ class GPT(Module):
         allowed_BTS, local_BTS = self.masks(pos_BT, allowed, padding_mask is not None or cache is not None,
                                             valid_BS, query_T, key_S)
         context = Context(allowed_BTS, local_BTS, self.rotary_tables(pos_BT), mask_BT, slot)
-        measure = self.is_mutable_collection("intermediates")  # asked for: see relative_update
+        measure = self.is_mutable_collection("intermediates")  # asked for: each layer's output too
         # for each layer in turn, on its own slice of the stacked parameters and cache:
         #     x_BTD, kv = Block(layer params)((x_BTD, kv), layer, context, ...)
-        (x_BTD, kv), updates_L = self.blocks((x_BTD, kv), self.layer_inputs(cache), context, deterministic, fresh,
-                                             measure)
-        if measure:
-            self.sow("intermediates", "residual_update", updates_L, init_fn=lambda: None, reduce_fn=lambda _, v: v)
-        x_BTD = self.ln_f(x_BTD)
+        (out_BTD, kv), outs_LBTD = self.blocks((x_BTD, kv), self.layer_inputs(cache), context, deterministic, fresh,
+                                               measure)
+        for depth in range(self.n_layers if measure else 0):
+            self.measure(outs_LBTD[depth], outs_LBTD[depth - 1] if depth else x_BTD, depth, mask_BT)
+        x_BTD = self.ln_f(out_BTD)
         if cache is None:
             return x_BTD
         return x_BTD, cache._replace(keys=kv[0], values=kv[1], valid_BS=cache_valid_BS,
@@ -1009,6 +998,17 @@ class GPT(Module):
         if self.rope_scaling is not None and self.rope_scaling[0] == "longrope" and length > self.rope_scaling[1]:
             raise ValueError(f"longrope: {length} positions exceed original_max_position_embeddings "
                              f"{self.rope_scaling[1]}, beyond which transformers switches to the long factors")
+
+    def measure(self, x: jax.Array, residual: jax.Array, depth: int, padding_mask: Optional[jax.Array]) -> None:
+        """Record block `depth`'s relative update ||x - residual|| / ||residual||, the norms over
+        the width at each token, their mean over real tokens, as intermediates["residual_update"]
+        [depth]; computed only when apply() is given mutable=["intermediates"]."""
+        x_BTD, r_BTD = x.astype(jnp.float32), residual.astype(jnp.float32)
+        ratio_BT = jnp.linalg.norm(x_BTD - r_BTD, axis=-1) / (jnp.linalg.norm(r_BTD, axis=-1) + 1e-12)
+        weight_BT = jnp.ones_like(ratio_BT) if padding_mask is None else padding_mask.astype(jnp.float32)
+        value = (ratio_BT * weight_BT).sum() / jnp.maximum(weight_BT.sum(), 1.0)
+        self.sow("intermediates", "residual_update", value, init_fn=lambda: [None] * self.n_layers,
+                 reduce_fn=lambda values, v: [v if i == depth else x for i, x in enumerate(values)])
 
     @float32_in_full
     def unembed(self, x: jax.Array) -> jax.Array:
