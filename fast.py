@@ -2,7 +2,8 @@
 
     import fast   # inference.py's InferenceJob runs them; gpt.py's GPT computes every forward pass
 
-Reading order: a plan's own check (PlanError) -> packed rows for scoring: requests that
+Reading order: the loglikelihood request (Request, which inference.py names too) -> a
+plan's own check (PlanError) -> packed rows for scoring: requests that
 share a context in one row, each token seeing what it sees alone (pack_requests,
 packed_allowed), short packs end to end in one row (fill_rows), and where each scored
 token sits (scored_slots) -> the fast decoder: gpt.generate's prefill and loop as parts
@@ -12,7 +13,7 @@ shared prefix held once.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, List, NamedTuple, Optional, Tuple
+from typing import Any, Iterable, Iterator, List, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -20,8 +21,14 @@ import numpy as np
 
 import gpt
 
-if TYPE_CHECKING:  # inference.py imports this file: Request is named here for the annotations only
-    from inference import Request
+
+class Request(NamedTuple):
+    """loglikelihood: score `continuation` given `context` (token ids, at least one), for
+    document `doc`. (Here, below inference.py, which names it too, so that the packs can.)"""
+
+    doc: int
+    context: List[int]
+    continuation: List[int]
 
 
 class PlanError(RuntimeError):

@@ -38,6 +38,7 @@ from tqdm import tqdm
 
 import fast
 import gpt
+from fast import Request  # loglikelihood's request type, defined where the packs need it
 
 
 class RequestError(ValueError):
@@ -73,15 +74,6 @@ class Tokenizer(Protocol):
 
 
 # ----------------------------------------------------------------------------- requests and results
-
-
-class Request(NamedTuple):
-    """loglikelihood: score `continuation` given `context` (token ids, at least one), for
-    document `doc`."""
-
-    doc: int
-    context: List[int]
-    continuation: List[int]
 
 
 class GenerationRequest(NamedTuple):

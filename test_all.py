@@ -1907,15 +1907,13 @@ def test_imports_flow_one_way_and_sit_at_the_top():
     """gpt.py <- fast.py, jobs.py <- inference.py, checkpoints.py <- hf.py, runs.py <- tasks.py <-
     evaluate.py <- train.py, bench.py: each file imports only files before it, and only at
     module level (no import inside a function); fast.py and jobs.py do not import each other,
-    nor inference.py and checkpoints.py, nor hf.py and runs.py. A type-only import (under `if
-    TYPE_CHECKING:`, never run) may name a later file's type. Every file is in the README's table."""
+    nor inference.py and checkpoints.py, nor hf.py and runs.py; not even a type-only import
+    names a later file. Every file is in the README's table."""
     table = re.findall(r"^\| `(\w+)\.py` \|", (ROOT / "README.md").read_text(), re.M)
     assert sorted(table) == sorted([*PROJECT_FILES, "test_all"]) == sorted(p.stem for p in ROOT.glob("*.py"))
     for name, rank in PROJECT_FILES.items():
         tree = ast.parse((ROOT / f"{name}.py").read_text())
-        type_only = {id(n) for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
-                     for n in ast.walk(node)}
-        for node in (n for n in ast.walk(tree) if id(n) not in type_only):
+        for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 inner = [ast.unparse(n) for n in ast.walk(node) if isinstance(n, (ast.Import, ast.ImportFrom))]
                 assert not inner, f"{name}.py: {node.name} imports {inner}"
