@@ -1244,17 +1244,17 @@ def input_sharding(model: Module, mesh: Mesh, logical_axes: Tuple[Optional[str],
 def abstract_params(model: Module, seq: int = 8) -> Any:
     """Parameter shapes (with logical axis names) without allocating anything, kept for the
     last few models (modules hash by their fields): loading a checkpoint asks twice."""
-    idx = jnp.zeros((1, seq), jnp.int32)
-    return jax.eval_shape(lambda: model.init(jax.random.key(0), idx, deterministic=True))
+    idx = jax.ShapeDtypeStruct((1, seq), jnp.int32)
+    return jax.eval_shape(lambda idx: model.init(jax.random.key(0), idx, deterministic=True), idx)
 
 
 def init_params(model: Module, mesh: Mesh, seed: int = 0) -> Any:
     """Initialize parameters directly into their mesh shardings (never whole on one device)."""
     boxed = abstract_params(model)
     shardings = param_shardings(model, mesh, boxed)
-    idx = jnp.zeros((1, 8), jnp.int32)
-    init = lambda key: nn.meta.unbox(model.init(key, idx, deterministic=True))
-    return jax.jit(init, out_shardings=shardings)(jax.random.key(seed))
+    # all of it one program: arrays made outside it (the key, the tokens) would each compile one
+    init = lambda seed: nn.meta.unbox(model.init(jax.random.key(seed), jnp.zeros((1, 8), jnp.int32), deterministic=True))
+    return jax.jit(init, out_shardings=shardings)(seed)
 
 
 def place_params(model: Module, mesh: Mesh, host_params: Any) -> Any:
