@@ -187,6 +187,10 @@ SEGMENT_STEPS = 8
 # A batch's prompts that begin alike (a task's fixed few-shot examples, such as gsm8k-cot's
 # 8) are prefilled from one row of that beginning (InferenceJob.shared_prefix)
 SHARED_PREFIX_STEP = 64
+# Block lengths between two powers of two, by platform: a CPU compiles a program in about the
+# time it computes a few thousand tokens, so blocks come in many lengths with little padding;
+# an accelerator takes seconds a program and pads nearly for free, so powers of two only there
+LENGTHS_PER_OCTAVE = {"cpu": 8}  # any other platform: 1
 
 
 def has_stop(text: str, stops: Sequence[str]) -> bool:
@@ -230,11 +234,11 @@ def sample_keys(ids_B: jax.Array, seed: Any) -> jax.Array:
     return jax.vmap(lambda i: jax.random.fold_in(jax.random.key(seed), i))(ids_B)
 
 
-def padded_length(n: int, cap: int) -> int:
-    """n rounded up to a multiple of 1/16 of its next power of two (at least 16), at most
-    cap: a row of more than 256 tokens is at most 1/8 padding (3% on average), and there
-    are at most 8 lengths per octave (so few shapes, so few compilations)."""
-    step = max(16, (1 << max(n - 1, 0).bit_length()) // 16)
+def padded_length(n: int, cap: int, per_octave: int = 8) -> int:
+    """n rounded up to one of per_octave lengths between two powers of two (a multiple of 16),
+    at most cap: with 8, a multiple of 1/16 of its next power of two, so a row of more than 256
+    tokens is at most 1/8 padding (3% on average); with 1, its next power of two."""
+    step = max(16, (1 << max(n - 1, 0).bit_length()) // (2 * per_octave))
     return min(cap, -(-max(n, 1) // step) * step)
 
 
@@ -378,7 +382,8 @@ class InferenceJob:
                  batch_size: int = 8, chunks: int = 16, seed: int = 0, quiet: bool = False,
                  share_contexts: bool = True, simple: bool = False, fill_length: int = fast.FILL_LENGTH,
                  refill: bool = True, shared_prefix_step: int = SHARED_PREFIX_STEP,
-                 segment_steps: int = SEGMENT_STEPS, unembed_piece: int = UNEMBED_PIECE):
+                 segment_steps: int = SEGMENT_STEPS, unembed_piece: int = UNEMBED_PIECE,
+                 lengths_per_octave: Optional[int] = None):
         """`variables` are the model's parameters placed on `mesh` (gpt.init_params or
         gpt.place_params); batch_size is the most rows per forward pass (rounded up to a
         multiple of the mesh's "batch" size), chunks how many batches one jitted call scans,
@@ -389,7 +394,10 @@ class InferenceJob:
         short packs fill), refill (a done row takes a waiting prompt; False: a batch at a
         time), shared_prefix_step (the shared prompt beginning's unit; longer than any
         prompt: none), segment_steps (decoding steps between the host's stop checks),
-        unembed_piece (scored positions unembedded at a time)."""
+        unembed_piece (scored positions unembedded at a time), lengths_per_octave (block and
+        rollout lengths between two powers of two; by default LENGTHS_PER_OCTAVE's for the mesh's
+        platform; with 1, a last window's short batch takes a power of two of rows too: the
+        fewest programs)."""
         if tokenizer.vocab_size > model.vocab_size:
             raise RequestError(f"the tokenizer's ids reach {tokenizer.vocab_size - 1} (vocab_size "
                                f"{tokenizer.vocab_size}), beyond the model's embedding of {model.vocab_size} rows")
@@ -398,6 +406,8 @@ class InferenceJob:
         self.share_contexts, self.simple = share_contexts, simple
         self.fill_length, self.refill, self.shared_prefix_step = fill_length, refill, shared_prefix_step
         self.segment_steps, self.unembed_piece = segment_steps, unembed_piece
+        platform = mesh.devices.flat[0].platform
+        self.lengths_per_octave = lengths_per_octave or LENGTHS_PER_OCTAVE.get(platform, 1)
         self.dp = mesh.shape["batch"]
         self.replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         self._simple_score = jax.jit(self.simple_score, out_shardings=self.replicated)
@@ -531,14 +541,14 @@ class InferenceJob:
         time into a block, the rest one by one; a short last batch has the next power of two of rows
         (a multiple of the data-parallel size), which later windows' short batches may share, or in
         the `last` window, where none comes after it, just its rows (the multiple of the
-        data-parallel size above them): MMLU's 40 questions make 6 packed rows of about 1,000
+        data-parallel size above them; with lengths_per_octave 1 a power of two still): MMLU's 40 questions make 6 packed rows of about 1,000
         tokens, which 8 rows would pad by a third. So no batch is all padding, little of a row is,
         and there are only a few shapes (so few compilations) whatever the lengths."""
         batches = self.batch_shapes(sizes, cap)
         for (rows, shape), group in itertools.groupby(batches, key=lambda b: b[1:]):
             group = list(group)
             if rows < self.batch_size:
-                rows = rows if last else 1 << (rows - 1).bit_length()
+                rows = rows if last and self.lengths_per_octave > 1 else 1 << (rows - 1).bit_length()
                 rows = min(self.batch_size, -(-rows // self.dp) * self.dp)
             while group:
                 chunks = most_chunks if len(group) >= most_chunks else 1
@@ -555,7 +565,7 @@ class InferenceJob:
         batches = []
         for start in range(0, len(sizes), self.batch_size):
             batch = sizes[start:start + self.batch_size]
-            length = padded_length(max(size[0] for size in batch), cap)
+            length = padded_length(max(size[0] for size in batch), cap, self.lengths_per_octave)
             others = tuple(scored_width(max(dims), length) for dims in list(zip(*batch))[1:])
             batches.append((start, len(batch), (length, *others)))
         alone = collections.Counter(shape for _, _, shape in batches)
@@ -924,7 +934,7 @@ class InferenceJob:
         prefix; each checked to fit, and the whole to fit in memory."""
         prompts = [r.prompt[-room:] for r in queue]
         prefix = [] if keep_rows else self.shared_prefix(prompts)
-        length = padded_length(len(prompts[0]), room)
+        length = padded_length(len(prompts[0]), room, self.lengths_per_octave)
         rows = min(self.batch_size, -(-len(queue) // self.dp) * self.dp)
         for r, p in zip(queue, prompts):  # each prompt, a first row's or a refill's, fits its row's cache slots
             fast.check_plan(len(p) <= length and p[:len(prefix)] == prefix, r.doc, f"a prompt of {len(p)} tokens in "
