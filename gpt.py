@@ -1253,7 +1253,7 @@ def init_params(model: Module, mesh: Mesh, seed: int = 0) -> Any:
     boxed = abstract_params(model)
     shardings = param_shardings(model, mesh, boxed)
     # all of it one program: arrays made outside it (the key, the tokens) would each compile one
-    init = lambda seed: nn.meta.unbox(model.init(jax.random.key(seed), jnp.zeros((1, 8), jnp.int32), deterministic=True))
+    init = lambda seed: nn.meta.unbox(model.init(jax.random.key(seed), jnp.zeros((1, 8), int), deterministic=True))
     return jax.jit(init, out_shardings=shardings)(seed)
 
 

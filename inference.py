@@ -541,8 +541,8 @@ class InferenceJob:
         time into a block, the rest one by one; a short last batch has the next power of two of rows
         (a multiple of the data-parallel size), which later windows' short batches may share, or in
         the `last` window, where none comes after it, just its rows (the multiple of the
-        data-parallel size above them; with lengths_per_octave 1 a power of two still): MMLU's 40 questions make 6 packed rows of about 1,000
-        tokens, which 8 rows would pad by a third. So no batch is all padding, little of a row is,
+        data-parallel size above them; with lengths_per_octave 1 a power of two still): MMLU's
+        40 questions make 6 packed rows of about 1,000 tokens, which 8 rows would pad by a third. So no batch is all padding, little of a row is,
         and there are only a few shapes (so few compilations) whatever the lengths."""
         batches = self.batch_shapes(sizes, cap)
         for (rows, shape), group in itertools.groupby(batches, key=lambda b: b[1:]):
