@@ -267,10 +267,11 @@ class ExecutionSpec:
     def is_main(self) -> bool:
         return jax.process_index() == 0
 
-    def make_mesh(self) -> jax.sharding.Mesh:
-        """Every device on "batch", or the --mesh asked for. A mesh smaller than a single
-        process's devices takes the first of them (`--mesh 1x1` on an 8-device host is a
-        single-device run) and says so; over several processes it must use them all."""
+    def make_mesh(self, named: str = "--mesh") -> jax.sharding.Mesh:
+        """Every device on "batch", or the --mesh asked for (an error names it as `named`). A
+        mesh smaller than a single process's devices takes the first of them (`--mesh 1x1` on an
+        8-device host is a single-device run) and says so; over several processes it must use
+        them all."""
         if self.mesh is None:
             return gpt.make_mesh()
         try:
@@ -286,7 +287,7 @@ class ExecutionSpec:
             if jax.default_backend() == "cpu":
                 hint = ("; to simulate N devices on a CPU, set XLA_FLAGS="
                         "--xla_force_host_platform_device_count=N before starting")
-            raise UsageError(f"--mesh: {e}{hint}") from None
+            raise UsageError(f"{named}: {e}{hint}") from None
 
     def check_out_dir(self, filenames: Tuple[str, ...] = ()) -> None:
         """Make the output directory now; an output file already there must be a regular file

@@ -114,7 +114,7 @@ class JaxLM(TemplateLM):
         and run as ModelArgs says, each argument checked as the command line checks its option."""
         args = options_of(ModelArgs, {"pretrained": pretrained, **model_args}, model_arg)
         args.validate()
-        devices = ExecutionSpec(name=MODEL_NAME, mesh=args.mesh).make_mesh()
+        devices = ExecutionSpec(name=MODEL_NAME, mesh=args.mesh).make_mesh(model_arg("mesh"))
         model, variables, tokenizer = load_model(resolve_checkpoint(args.pretrained), devices, args.dtype)
         job = InferenceJob(model, variables, tokenizer, devices, batch_size=args.batch_size, chunks=args.chunks,
                            seed=args.seed)

@@ -3402,6 +3402,8 @@ def test_lm_eval_model_args_are_checked_as_the_command_line_checks_its_options(c
         run("batch_size=2")
     with pytest.raises(UsageError, match="model_args pretrained is given twice"):  # lm-eval would take the last
         run(f"pretrained={ckpt},batch_size=2,pretrained=elsewhere")
+    with pytest.raises(UsageError, match="model_args mesh: mesh 64x1 needs 64 devices"):  # parsed, then too big
+        run(f"pretrained={ckpt},mesh=64x1")
     with pytest.raises(UsageError, match="model_args batch_size 4 and simple_evaluate's batch_size 8 differ"):
         run(f"pretrained={ckpt},batch_size=4", batch_size=8)
     lm = tasks.JaxLM.create_from_arg_string(f"pretrained={ckpt},batch_size='2',mesh=1x1,seed=3,device=cpu")
