@@ -398,6 +398,9 @@ class InferenceJob:
         rollout lengths between two powers of two; by default LENGTHS_PER_OCTAVE's for the mesh's
         platform; with 1, a last window's short batch takes a power of two of rows too: the
         fewest programs)."""
+        for name, value in (("batch_size", batch_size), ("chunks", chunks), ("segment_steps", segment_steps)):
+            if value < 1:
+                raise RequestError(f"{name} must be at least 1, not {value}")
         if tokenizer.vocab_size > model.vocab_size:
             raise RequestError(f"the tokenizer's ids reach {tokenizer.vocab_size - 1} (vocab_size "
                                f"{tokenizer.vocab_size}), beyond the model's embedding of {model.vocab_size} rows")

@@ -1644,6 +1644,15 @@ def test_generation_equals_a_prompt_alone_decoded_to_the_end(fuzz, prompts, stop
     assert got == want
 
 
+def test_a_job_of_no_rows_is_refused_where_it_is_built(small):
+    """InferenceJob from Python (another project's code) with batch_size, chunks or segment_steps
+    below 1: refused in the constructor, naming the argument, not deep inside a later call."""
+    model, host = small
+    for setting in ({"batch_size": 0}, {"batch_size": -1}, {"chunks": 0}, {"segment_steps": 0}):
+        with pytest.raises(inference.RequestError, match=f"{next(iter(setting))} must be at least 1"):
+            inference.InferenceJob(model, host, Pieces(0), mesh_of(), **setting)
+
+
 def test_an_accelerators_lengths_build_fewer_programs_with_the_same_answers():
     """lengths_per_octave 1 (an accelerator's default: powers of two) against 8 (a CPU's):
     identical scores and generations, from fewer programs: requests of 300-900 tokens, two a
