@@ -187,10 +187,13 @@ SEGMENT_STEPS = 8
 # A batch's prompts that begin alike (a task's fixed few-shot examples, such as gsm8k-cot's
 # 8) are prefilled from one row of that beginning (InferenceJob.shared_prefix)
 SHARED_PREFIX_STEP = 64
-# Block lengths between two powers of two, by platform: a CPU compiles a program in about the
-# time it computes a few thousand tokens, so blocks come in many lengths with little padding;
-# an accelerator takes seconds a program and pads nearly for free, so powers of two only there
-LENGTHS_PER_OCTAVE = {"cpu": 8}  # any other platform: 1
+# The shapes a platform gets (InferenceJob's lengths_per_octave and compact_rows): a CPU compiles
+# a program in about the time it computes a few thousand tokens, so blocks take 8 lengths between
+# two powers of two (little padding) and a rollout's last running rows move into fewer
+# (InferenceJob.compact); an accelerator takes seconds a program and pads nearly for free, so
+# there lengths are powers of two and every row of a rollout decodes to its end
+SHAPES = {"cpu": dict(lengths_per_octave=8, compact_rows=True)}
+ACCELERATOR_SHAPES = dict(lengths_per_octave=1, compact_rows=False)  # any platform not in SHAPES
 
 
 def has_stop(text: str, stops: Sequence[str]) -> bool:
@@ -383,7 +386,7 @@ class InferenceJob:
                  share_contexts: bool = True, simple: bool = False, fill_length: int = fast.FILL_LENGTH,
                  refill: bool = True, shared_prefix_step: int = SHARED_PREFIX_STEP,
                  segment_steps: int = SEGMENT_STEPS, unembed_piece: int = UNEMBED_PIECE,
-                 lengths_per_octave: Optional[int] = None):
+                 lengths_per_octave: Optional[int] = None, compact_rows: Optional[bool] = None):
         """`variables` are the model's parameters placed on `mesh` (gpt.init_params or
         gpt.place_params); batch_size is the most rows per forward pass (rounded up to a
         multiple of the mesh's "batch" size), chunks how many batches one jitted call scans,
@@ -395,9 +398,9 @@ class InferenceJob:
         time), shared_prefix_step (the shared prompt beginning's unit; longer than any
         prompt: none), segment_steps (decoding steps between the host's stop checks),
         unembed_piece (scored positions unembedded at a time), lengths_per_octave (block and
-        rollout lengths between two powers of two; by default LENGTHS_PER_OCTAVE's for the mesh's
-        platform; with 1, a last window's short batch takes a power of two of rows too: the
-        fewest programs)."""
+        rollout lengths between two powers of two; with 1, a last window's short batch takes a
+        power of two of rows too: the fewest programs), compact_rows (a rollout's last running
+        rows move into fewer, compact); these two by default SHAPES's for the mesh's platform."""
         for name, value in (("batch_size", batch_size), ("chunks", chunks), ("segment_steps", segment_steps)):
             if value < 1:
                 raise RequestError(f"{name} must be at least 1, not {value}")
@@ -409,8 +412,9 @@ class InferenceJob:
         self.share_contexts, self.simple = share_contexts, simple
         self.fill_length, self.refill, self.shared_prefix_step = fill_length, refill, shared_prefix_step
         self.segment_steps, self.unembed_piece = segment_steps, unembed_piece
-        platform = mesh.devices.flat[0].platform
-        self.lengths_per_octave = lengths_per_octave or LENGTHS_PER_OCTAVE.get(platform, 1)
+        shapes = SHAPES.get(mesh.devices.flat[0].platform, ACCELERATOR_SHAPES)
+        self.lengths_per_octave = lengths_per_octave or shapes["lengths_per_octave"]
+        self.compact_rows = shapes["compact_rows"] if compact_rows is None else compact_rows
         self.dp = mesh.shape["batch"]
         self.replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         self._simple_score = jax.jit(self.simple_score, out_shardings=self.replicated)
@@ -910,7 +914,7 @@ class InferenceJob:
         the rest of each), then segments of segment_steps steps (decode_segment), between which the
         host checks each row's new tokens, a row that is done takes the next waiting prompt
         (continuous batching), and once none waits the rows still running move into a smaller
-        rollout (compact)."""
+        rollout (compact, where compact_rows)."""
         temperature, top_p, seed = sampling
         start, advance, refill = self._generator(n_new, temperature, top_p)
         d = self.plan_rollout(queue, room, n_new, keep_rows)
@@ -922,7 +926,7 @@ class InferenceJob:
         self.counts.block(prefilled, 1, d.rows, d.length)
         self.advance(0, prefilled)
         while (d.owner >= 0).any():
-            if d.waiting == len(queue):
+            if d.waiting == len(queue) and self.compact_rows:
                 rollout, ids_B, d.owner = self.compact(rollout, ids_B, d.owner)
             rollout, ids_B = self.decode_segment(advance, refill, rollout, ids_B, d, n_new, seed)
         self.counts.rollouts.append(d.counted(n_new))

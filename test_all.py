@@ -912,7 +912,7 @@ def test_ragged_documents_waste_little_on_padding(monkeypatch):
     at most 15% of the scored slots are padding, and there are a handful of block shapes (so
     of compilations: in a set this small, a batch alone in its shape takes the one before it,
     at most a quarter longer)."""
-    monkeypatch.setitem(inference.LENGTHS_PER_OCTAVE, jax.devices()[0].platform, 8)
+    monkeypatch.setitem(inference.SHAPES, jax.devices()[0].platform, inference.SHAPES["cpu"])
     model = gpt.GPT(n_layers=1, n_embd=32, n_head=2, block_size=512, vocab_size=320)
     host = jax.device_get(gpt.init_params(model, mesh_of(), seed=0))
     rng = np.random.default_rng(0)
@@ -1220,7 +1220,7 @@ def test_an_empty_prompt_generates_nothing(small):
 
 
 @pytest.mark.parametrize("batch,shard", [(1, 1), (4, 2)])
-def test_done_rows_are_dropped_between_segments(small, batch, shard, monkeypatch):
+def test_done_rows_are_dropped_between_segments(small, batch, shard):
     """Once a batch's running rows fit in a quarter of its rows, they go on in a smaller
     rollout (the next power of two, a multiple of the mesh's "batch" size): the same texts
     and tokens as decoding every row to the batch's end, in fewer row-steps (counted), on
@@ -1228,7 +1228,7 @@ def test_done_rows_are_dropped_between_segments(small, batch, shard, monkeypatch
     model, host = small
     mesh = gpt.make_mesh(batch, shard, devices=jax.devices()[:batch * shard])
     job = inference.InferenceJob(model, gpt.place_params(model, mesh, host), Triples(), mesh, batch_size=16,
-                                 quiet=True)
+                                 quiet=True, compact_rows=True)  # (a CPU's default)
     prompts, N = [list(f"{w} {i}".encode()) for i, w in enumerate(["the cat", "hello", "12+3", "ab"] * 4)], 40
     full = [g for _, g in job.generate_until([inference.GenerationRequest(i, p, ()) for i, p in enumerate(prompts)], N)]
     # a stop string is a token's text (Triples): every row ends by its 8th token but one, after its 33rd
@@ -1239,7 +1239,7 @@ def test_done_rows_are_dropped_between_segments(small, batch, shard, monkeypatch
     dropped_sampled = sampled()
     job.counts.rollouts.clear()
     dropped = [g for _, g in job.generate_until(requests, N)]
-    monkeypatch.setattr(inference.InferenceJob, "compact", lambda self, rollout, ids_B, owner: (rollout, ids_B, owner))
+    job.compact_rows = False  # (an accelerator's default)
     kept = [g for _, g in job.generate_until(requests, N)]
     assert [(g.text, g.tokens) for g in dropped] == [(g.text, g.tokens) for g in kept]
     assert sampled() == dropped_sampled  # each row's sampling keys go with it
@@ -1252,7 +1252,7 @@ def test_done_rows_are_dropped_between_segments(small, batch, shard, monkeypatch
 
 
 @pytest.mark.parametrize("batch,shard", [(1, 1), (4, 2)])
-def test_generation_computes_a_shared_prompt_prefix_once(small, batch, shard, monkeypatch):
+def test_generation_computes_a_shared_prompt_prefix_once(small, batch, shard):
     """Prompts that begin alike (few-shot examples) are prefilled from one row of their
     common beginning, in steps of shared_prefix_step tokens, each prompt keeping a token of
     its own, and the cache holds that beginning once for all rows: the same tokens as
@@ -1285,7 +1285,7 @@ def test_generation_computes_a_shared_prompt_prefix_once(small, batch, shard, mo
              for i in range(16)]
 
     def texts_and_runs(step: int):
-        sixteen = job(16, step, segment_steps=2)
+        sixteen = job(16, step, segment_steps=2, compact_rows=True)
         return [g.text for _, g in sixteen.generate_until(stops, 12)], sixteen.counts.rollouts
 
     (shared_texts, runs), (whole_texts, _) = texts_and_runs(8), texts_and_runs(1000)
@@ -1545,6 +1545,13 @@ def test_the_simple_path_is_a_plain_forward_pass_and_gpt_generate(fuzz, requests
             == plain_generate(small, tokenizer, requests, n_new, *sampling, 1))
 
 
+PLATFORMS = ["cpu", "accelerator"]  # the shapes each gets (inference.SHAPES), searched on this CPU
+
+
+def shapes_of(platform):
+    return inference.SHAPES["cpu"] if platform == "cpu" else inference.ACCELERATOR_SHAPES
+
+
 SIX_HELLOS = [inference.Request(i, list(f"hello {i}".encode()), list(choice.encode()))
               for i in range(6) for choice in "wcm"]  # 18 one-token choices: more scored slots than tokens
 PREFIX_ALONE = [inference.Request(0, list(b"Q: 1+1=2. Q: 3+3="), list(b"6")),
@@ -1555,30 +1562,29 @@ PREFIX_ALONE = [inference.Request(0, list(b"Q: 1+1=2. Q: 3+3="), list(b"6")),
 @fuzz_settings(10)
 @hypothesis.given(requests=loglikelihood_requests(), mesh=st.sampled_from(FUZZ_MESHES), batch=st.integers(1, 17),
                   chunks=st.sampled_from([1, 16]), fill=st.sampled_from([fast.FILL_LENGTH, 24, 1]),
-                  per_octave=st.sampled_from([8, 1]))
-@hypothesis.example(requests=SIX_HELLOS, mesh=(1, 1), batch=4, chunks=16, fill=fast.FILL_LENGTH, per_octave=8)
-@hypothesis.example(requests=PREFIX_ALONE, mesh=(1, 1), batch=4, chunks=16, fill=fast.FILL_LENGTH, per_octave=8)
-def test_loglikelihood_equals_a_request_a_row(fuzz, requests, mesh, batch, chunks, fill, per_octave):
+                  platform=st.sampled_from(PLATFORMS))
+@hypothesis.example(requests=SIX_HELLOS, mesh=(1, 1), batch=4, chunks=16, fill=fast.FILL_LENGTH, platform="cpu")
+@hypothesis.example(requests=PREFIX_ALONE, mesh=(1, 1), batch=4, chunks=16, fill=fast.FILL_LENGTH, platform="cpu")
+def test_loglikelihood_equals_a_request_a_row(fuzz, requests, mesh, batch, chunks, fill, platform):
     """loglikelihood on any mesh, batch size and chunking, with packing, shared prefixes and
-    row filling (rows of `fill` tokens), in blocks of a CPU's lengths or an accelerator's
-    (per_octave), scores every request as the simple path does."""
+    row filling (rows of `fill` tokens), in a CPU's shapes or an accelerator's, scores every
+    request as the simple path does."""
     _, _, job = fuzz
-    got = [s for _, s in job(mesh, batch, chunks, fill_length=fill, lengths_per_octave=per_octave)
-           .loglikelihood(requests)]
+    got = [s for _, s in job(mesh, batch, chunks, fill_length=fill, **shapes_of(platform)).loglikelihood(requests)]
     assert_scored_alike(got, simple_scores(job, requests))
 
 
 @fuzz_settings(6)
 @hypothesis.given(data=st.data(), mesh=st.sampled_from(FUZZ_MESHES), batch=st.integers(1, 17),
-                  per_octave=st.sampled_from([8, 1]))
-def test_rolling_loglikelihood_equals_a_window_a_row(fuzz, data, mesh, batch, per_octave):
+                  platform=st.sampled_from(PLATFORMS))
+def test_rolling_loglikelihood_equals_a_window_a_row(fuzz, data, mesh, batch, platform):
     """Documents of 0 to 3 x max_len tokens, alike or not, scored in rolling windows: each
     window as it scores alone."""
     small, tokenizer, job = fuzz
     max_len = SMALL["block_size"]
     _, documents = data.draw(contexts_alike(data.draw(st.integers(1, 6)), max_len))
     documents = [d[:data.draw(st.sampled_from([0, len(d), 3 * max_len]))] for d in documents]
-    got = list(job(mesh, batch, 16, lengths_per_octave=per_octave).loglikelihood_rolling(documents))
+    got = list(job(mesh, batch, 16, **shapes_of(platform)).loglikelihood_rolling(documents))
     windows = [inference.rolling_requests(d, tokenizer.eos_token_id, max_len) or [([tokenizer.eos_token_id], [])]
                for d in documents]
     want = simple_scores(job, [inference.Request(0, c, t) for w in windows for c, t in w])
@@ -1619,17 +1625,17 @@ EMPTY_BESIDE_ALIKE = [(list(b"ab. ab. ab."), "whole"), (list(b"b. ab. ab."), "wh
                   batch=st.integers(1, 17), n_new=st.sampled_from([0, 1, 6, 20]),
                   sampling=st.sampled_from([(0.0, 1.0), (0.8, 0.9)]), seed=st.integers(0, 3), refill=st.booleans(),
                   prefix_step=st.sampled_from([4, 16, inference.SHARED_PREFIX_STEP]),
-                  per_octave=st.sampled_from([8, 1]))
+                  platform=st.sampled_from(PLATFORMS))
 @hypothesis.example(prompts=EMPTY_BESIDE_ALIKE, stops=[[]] * 12, mesh=(1, 1), batch=4, n_new=6,
-                    sampling=(0.0, 1.0), seed=0, refill=True, prefix_step=4, per_octave=8)
+                    sampling=(0.0, 1.0), seed=0, refill=True, prefix_step=4, platform="cpu")
 def test_generation_equals_a_prompt_alone_decoded_to_the_end(fuzz, prompts, stops, mesh, batch, n_new, sampling,
-                                                             seed, refill, prefix_step, per_octave):
+                                                             seed, refill, prefix_step, platform):
     """generate_until, greedy or sampled, with continuous batching (refill) or a batch at a
     time, a shared few-shot prefix held once (in steps of prefix_step), rows dropped as they
     end and stop strings checked between segments: the texts and tokens of each prompt alone
     decoded to n_new tokens and cut afterwards. Prompts alike, empty, at and beyond the
     room left by n_new; stop strings inside and across tokens, never met, or none; EOS
-    (Pieces') often the first token. Rollouts of a CPU's lengths or an accelerator's (per_octave)."""
+    (Pieces') often the first token. Rollouts in a CPU's shapes or an accelerator's."""
     small, tokenizer, job = fuzz
     temperature, top_p = sampling
     prompts = at_room(prompts, SMALL["block_size"] - n_new)
@@ -1639,7 +1645,7 @@ def test_generation_equals_a_prompt_alone_decoded_to_the_end(fuzz, prompts, stop
                 for i, (p, w, specs) in enumerate(zip(prompts, whole, stops))]
     want = simple_generations(job, requests, n_new, temperature, top_p, seed)
     got = [(g.text, g.tokens, g.truncated) for _, g in job(mesh, batch, 16, refill=refill, shared_prefix_step=prefix_step,
-                                                           lengths_per_octave=per_octave)
+                                                           **shapes_of(platform))
            .generate_until(requests, n_new, temperature, top_p, seed)]
     assert got == want
 
@@ -1653,32 +1659,34 @@ def test_a_job_of_no_rows_is_refused_where_it_is_built(small):
             inference.InferenceJob(model, host, Pieces(0), mesh_of(), **setting)
 
 
-def test_an_accelerators_lengths_build_fewer_programs_with_the_same_answers():
-    """lengths_per_octave 1 (an accelerator's default: powers of two) against 8 (a CPU's):
-    identical scores and generations, from fewer programs: requests of 300-900 tokens, two a
-    row, score in blocks of 512 and 1024 tokens, and three windows of prompts of 260-500 tokens, each
-    window's longest a different length, decode in one rollout length (LENGTHS_PER_OCTAVE)."""
+def test_an_accelerators_shapes_build_fewer_programs_with_the_same_answers():
+    """An accelerator's shapes (inference.ACCELERATOR_SHAPES: powers of two) against a CPU's:
+    identical scores and generations, from fewer programs. Requests of 340-1000 tokens, four a
+    block, score in blocks of 512 and 1024 tokens (a CPU's: 448, 704, 1024); three windows of
+    prompts of 260-500 tokens, each window's longest a different length, decode in one
+    rollout length (a CPU's: three)."""
     model = gpt.GPT(n_layers=1, n_embd=32, n_head=2, block_size=1024, vocab_size=320)
     host = jax.device_get(gpt.init_params(model, mesh_of(), seed=0))
     rng = np.random.default_rng(0)
     scored = [inference.Request(i, rng.integers(1, 256, n - 4).tolist(), rng.integers(1, 256, 4).tolist())
-              for i, n in enumerate([300, 350, 400, 500, 600, 700, 800, 900])]
-    longest = [300, 400, 500]  # each window's (16 prompts at a batch of 2)
-    prompts = [inference.GenerationRequest(16 * w + i, rng.integers(1, 256, longest[w] - 40 * (i > 0)).tolist(), ())
-               for w in range(3) for i in range(16)]
+              for i, n in enumerate([1000, 980, 960, 940, 700, 680, 660, 640, 400, 380, 360, 340])]
+    longest = [300, 400, 500]  # each window's (32 prompts at a batch of 4)
+    prompts = [inference.GenerationRequest(32 * w + i, rng.integers(1, 256, longest[w] - 40 * (i > 0)).tolist(), ())
+               for w in range(3) for i in range(32)]
     answers, programs = {}, {}
-    for per_octave in (8, 1):
+    for platform in PLATFORMS:
         job = inference.InferenceJob(model, gpt.place_params(model, mesh_of(), host), Pieces(0), mesh_of(),
-                                     batch_size=2, chunks=1, quiet=True, fill_length=1, lengths_per_octave=per_octave)
+                                     batch_size=4, chunks=1, quiet=True, fill_length=1, **shapes_of(platform))
         mark = len(runs.compile_log().events)
-        answers[per_octave] = ([s for _, s in job.loglikelihood(scored)],
-                               [g.tokens for _, g in job.generate_until(prompts, 4)])
+        answers[platform] = ([s for _, s in job.loglikelihood(scored)],
+                             [g.tokens for _, g in job.generate_until(prompts, 6)])
         built = [name for event, name, *_ in runs.compile_log().events[mark:] if event == runs.CompileLog.BACKEND]
-        programs[per_octave] = {name: built.count(f"jit({name})") for name in ("_score_block", "start")}  # or loaded
-    assert_scored_alike(answers[1][0], answers[8][0])
-    assert answers[1][1] == answers[8][1]
-    assert programs[1] == {"_score_block": 2, "start": 1}
-    assert programs[8] == {"_score_block": 4, "start": 3}
+        programs[platform] = {name: built.count(f"jit({name})")  # compiled, or loaded from the cache
+                              for name in ("_score_block", "start", "advance")}
+    assert_scored_alike(answers["accelerator"][0], answers["cpu"][0])
+    assert answers["accelerator"][1] == answers["cpu"][1]
+    assert programs["accelerator"] == {"_score_block": 2, "start": 1, "advance": 1}
+    assert programs["cpu"] == {"_score_block": 3, "start": 3, "advance": 3}
 
 
 # the same properties through the command line: random --data files of the four kinds, and
