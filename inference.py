@@ -401,7 +401,11 @@ class InferenceJob:
         rollout lengths between two powers of two; with 1, a last window's short batch takes a
         power of two of rows too: the fewest programs), compact_rows (a rollout's last running
         rows move into fewer, compact); these two by default SHAPES's for the mesh's platform."""
-        for name, value in (("batch_size", batch_size), ("chunks", chunks), ("segment_steps", segment_steps)):
+        shapes = SHAPES.get(mesh.devices.flat[0].platform, ACCELERATOR_SHAPES)
+        lengths_per_octave = shapes["lengths_per_octave"] if lengths_per_octave is None else lengths_per_octave
+        compact_rows = shapes["compact_rows"] if compact_rows is None else compact_rows
+        for name, value in (("batch_size", batch_size), ("chunks", chunks), ("segment_steps", segment_steps),
+                            ("lengths_per_octave", lengths_per_octave)):
             if value < 1:
                 raise RequestError(f"{name} must be at least 1, not {value}")
         if tokenizer.vocab_size > model.vocab_size:
@@ -412,9 +416,7 @@ class InferenceJob:
         self.share_contexts, self.simple = share_contexts, simple
         self.fill_length, self.refill, self.shared_prefix_step = fill_length, refill, shared_prefix_step
         self.segment_steps, self.unembed_piece = segment_steps, unembed_piece
-        shapes = SHAPES.get(mesh.devices.flat[0].platform, ACCELERATOR_SHAPES)
-        self.lengths_per_octave = lengths_per_octave or shapes["lengths_per_octave"]
-        self.compact_rows = shapes["compact_rows"] if compact_rows is None else compact_rows
+        self.lengths_per_octave, self.compact_rows = lengths_per_octave, compact_rows
         self.dp = mesh.shape["batch"]
         self.replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         self._simple_score = jax.jit(self.simple_score, out_shardings=self.replicated)
@@ -549,8 +551,9 @@ class InferenceJob:
         (a multiple of the data-parallel size), which later windows' short batches may share, or in
         the `last` window, where none comes after it, just its rows (the multiple of the
         data-parallel size above them; with lengths_per_octave 1 a power of two still): MMLU's
-        40 questions make 6 packed rows of about 1,000 tokens, which 8 rows would pad by a third. So no batch is all padding, little of a row is,
-        and there are only a few shapes (so few compilations) whatever the lengths."""
+        40 questions make 6 packed rows of about 1,000 tokens, which 8 rows would pad by a third.
+        So no batch is all padding, little of a row is, and there are only a few shapes (so few
+        compilations) whatever the lengths."""
         batches = self.batch_shapes(sizes, cap)
         for (rows, shape), group in itertools.groupby(batches, key=lambda b: b[1:]):
             group = list(group)

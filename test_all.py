@@ -618,14 +618,13 @@ def loop_over_layers(model, variables, idx, mask, cache, fresh, jit):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_the_scanned_layers_equal_a_loop_over_them_to_the_last_bit(name, monkeypatch):
+def test_the_scanned_layers_equal_a_loop_over_them_to_the_last_bit(name):
     """GPT.decode scans one Block over the stacked layers; a Python loop applying the Block to
     each layer's parameters in turn gives the same float32 logits, bit for bit on a CPU (an
     accelerator's compiler may fuse a loop's layers otherwise: within 1e-5 there): scoring
     (left-padded, masked), a prefill into an empty cache and a decoding step after it."""
-    if jax.default_backend() != "cpu":
-        monkeypatch.setattr(np.testing, "assert_array_equal",
-                            functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-5))
+    same = (np.testing.assert_array_equal if jax.default_backend() == "cpu" else
+            functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-5))
     model = tiny(**CONFIGS[name])
     variables = init(model)
     idx, mask = left_pad(ragged_prompts())
@@ -634,15 +633,15 @@ def test_the_scanned_layers_equal_a_loop_over_them_to_the_last_bit(name, monkeyp
         variables, idx, mask, model.init_cache(len(idx), idx.shape[1] + 1))
     expected, _, cache = layer_by_layer(model, variables, idx, mask, model.init_cache(len(idx), idx.shape[1] + 1),
                                         fresh=True)
-    np.testing.assert_array_equal(np.asarray(logits[0]), np.asarray(expected))
-    np.testing.assert_array_equal(np.asarray(logits[1]), np.asarray(expected[:, -1]))
-    jax.tree.map(np.testing.assert_array_equal, logits[2], cache)
+    same(np.asarray(logits[0]), np.asarray(expected))
+    same(np.asarray(logits[1]), np.asarray(expected[:, -1]))
+    jax.tree.map(same, logits[2], cache)
     step = tokens((len(idx), 1), seed=5)
     scanned, scanned_cache = jax.jit(lambda v, i, c: model.apply(v, i, jnp.ones(i.shape, bool), c,
                                                                  method=gpt.GPT.extend))(variables, step, cache)
     looped, _, looped_cache = layer_by_layer(model, variables, step, np.ones(step.shape, bool), cache)
-    np.testing.assert_array_equal(np.asarray(scanned), np.asarray(looped[:, -1]))
-    jax.tree.map(np.testing.assert_array_equal, scanned_cache, looped_cache)
+    same(np.asarray(scanned), np.asarray(looped[:, -1]))
+    jax.tree.map(same, scanned_cache, looped_cache)
 
 
 def test_measure_records_one_value_per_layer_only_when_asked(monkeypatch):
@@ -1545,11 +1544,9 @@ def test_the_simple_path_is_a_plain_forward_pass_and_gpt_generate(fuzz, requests
             == plain_generate(small, tokenizer, requests, n_new, *sampling, 1))
 
 
-PLATFORMS = ["cpu", "accelerator"]  # the shapes each gets (inference.SHAPES), searched on this CPU
-
-
-def shapes_of(platform):
-    return inference.SHAPES["cpu"] if platform == "cpu" else inference.ACCELERATOR_SHAPES
+# the shapes each platform gets (inference.SHAPES), searched on this CPU
+SHAPES_OF = {"cpu": inference.SHAPES["cpu"], "accelerator": inference.ACCELERATOR_SHAPES}
+PLATFORMS = list(SHAPES_OF)
 
 
 SIX_HELLOS = [inference.Request(i, list(f"hello {i}".encode()), list(choice.encode()))
@@ -1570,7 +1567,7 @@ def test_loglikelihood_equals_a_request_a_row(fuzz, requests, mesh, batch, chunk
     row filling (rows of `fill` tokens), in a CPU's shapes or an accelerator's, scores every
     request as the simple path does."""
     _, _, job = fuzz
-    got = [s for _, s in job(mesh, batch, chunks, fill_length=fill, **shapes_of(platform)).loglikelihood(requests)]
+    got = [s for _, s in job(mesh, batch, chunks, fill_length=fill, **SHAPES_OF[platform]).loglikelihood(requests)]
     assert_scored_alike(got, simple_scores(job, requests))
 
 
@@ -1584,7 +1581,7 @@ def test_rolling_loglikelihood_equals_a_window_a_row(fuzz, data, mesh, batch, pl
     max_len = SMALL["block_size"]
     _, documents = data.draw(contexts_alike(data.draw(st.integers(1, 6)), max_len))
     documents = [d[:data.draw(st.sampled_from([0, len(d), 3 * max_len]))] for d in documents]
-    got = list(job(mesh, batch, 16, **shapes_of(platform)).loglikelihood_rolling(documents))
+    got = list(job(mesh, batch, 16, **SHAPES_OF[platform]).loglikelihood_rolling(documents))
     windows = [inference.rolling_requests(d, tokenizer.eos_token_id, max_len) or [([tokenizer.eos_token_id], [])]
                for d in documents]
     want = simple_scores(job, [inference.Request(0, c, t) for w in windows for c, t in w])
@@ -1645,16 +1642,18 @@ def test_generation_equals_a_prompt_alone_decoded_to_the_end(fuzz, prompts, stop
                 for i, (p, w, specs) in enumerate(zip(prompts, whole, stops))]
     want = simple_generations(job, requests, n_new, temperature, top_p, seed)
     got = [(g.text, g.tokens, g.truncated) for _, g in job(mesh, batch, 16, refill=refill, shared_prefix_step=prefix_step,
-                                                           **shapes_of(platform))
+                                                           **SHAPES_OF[platform])
            .generate_until(requests, n_new, temperature, top_p, seed)]
     assert got == want
 
 
 def test_a_job_of_no_rows_is_refused_where_it_is_built(small):
-    """InferenceJob from Python (another project's code) with batch_size, chunks or segment_steps
-    below 1: refused in the constructor, naming the argument, not deep inside a later call."""
+    """InferenceJob from Python (another project's code) with batch_size, chunks, segment_steps
+    or lengths_per_octave below 1: refused in the constructor, naming the argument, not deep
+    inside a later call (or, for lengths_per_octave 0, taken silently as the platform's)."""
     model, host = small
-    for setting in ({"batch_size": 0}, {"batch_size": -1}, {"chunks": 0}, {"segment_steps": 0}):
+    for setting in ({"batch_size": 0}, {"batch_size": -1}, {"chunks": 0}, {"segment_steps": 0},
+                    {"lengths_per_octave": 0}):
         with pytest.raises(inference.RequestError, match=f"{next(iter(setting))} must be at least 1"):
             inference.InferenceJob(model, host, Pieces(0), mesh_of(), **setting)
 
@@ -1676,7 +1675,7 @@ def test_an_accelerators_shapes_build_fewer_programs_with_the_same_answers():
     answers, programs = {}, {}
     for platform in PLATFORMS:
         job = inference.InferenceJob(model, gpt.place_params(model, mesh_of(), host), Pieces(0), mesh_of(),
-                                     batch_size=4, chunks=1, quiet=True, fill_length=1, **shapes_of(platform))
+                                     batch_size=4, chunks=1, quiet=True, fill_length=1, **SHAPES_OF[platform])
         mark = len(runs.compile_log().events)
         answers[platform] = ([s for _, s in job.loglikelihood(scored)],
                              [g.tokens for _, g in job.generate_until(prompts, 6)])
