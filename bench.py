@@ -1517,7 +1517,8 @@ def report_model(cfg: BenchConfig, name: str, write: Callable[[Any], None], say:
             model, variables, mesh, hf = load_models(c, path)
     result = {"name": name, "shape": REPORT_MODELS[name], "params": gpt.count_params(variables),
               "param_bytes": nbytes(variables), "dtype": c.dtype, "seq": c.seq, "batch": c.batch,
-              "prompt": c.prompt, "new_tokens": c.new_tokens, "decoding": []}
+              "prompt": c.prompt, "new_tokens": c.new_tokens, "decoding": [],
+              "attention": {kind: gpt.backend_choice(kind) for kind in gpt.OTHER_BACKEND}}
     say(f"{name}: scoring {c.batch} x {c.seq}")
     forward = jax.jit(lambda v, x_BT, y_BT: -gpt.token_nll(model.apply(v, x_BT)[0], y_BT).sum(-1))
     result["scoring"] = strip_outputs(bench_scoring(c, model, variables, mesh, hf, log, {"forward": forward}))
@@ -1601,7 +1602,8 @@ def model_report_table(m: Dict[str, Any], peak: float, ceiling: Optional[Dict[st
     s, shape = m.get("scoring"), m["shape"]
     lines = [f"{m['name']}: {shape['family']}, {shape['layers']} layers, {shape['width']} wide, {shape['heads']} heads "
              f"({shape['kv_heads']} kv), MLP {shape['mlp_hidden']}, vocab {shape['vocab']}, "
-             f"{m['params'] / 1e6:.0f}M parameters, {m['dtype']} ({m['param_bytes'] / 1e9:.2f} GB), random weights"]
+             f"{m['params'] / 1e6:.0f}M parameters, {m['dtype']} ({m['param_bytes'] / 1e9:.2f} GB), random weights",
+             "  attention (gpt.BACKEND_ATTENTION): " + ", ".join(f"{k} {v}" for k, v in m.get("attention", {}).items())]
     if s:
         gemm = ceiling["gemm"]["flops_per_s"] if ceiling else s["peak"]["flops_per_s"]
         peak = peak or gemm

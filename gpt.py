@@ -233,7 +233,6 @@ def layer_rotary(c: "AttentionConfig", pos_BT: jax.Array) -> Tuple[jax.Array, ja
                          c.rope_scaling[2] if longrope else 1.0)
 
 
-ATTENTIONS = ("fast", "reference")  # GPT.attention: how attention is computed, never what
 
 
 def attend_reference(q_BTHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allowed_BTS: jax.Array,
@@ -259,13 +258,13 @@ def attend_reference(q_BTHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, al
 
 def attend(q_BTHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allowed_BTS: jax.Array,
            scale: Optional[float] = None, softcap: Optional[float] = None,
-           prefix: Optional[Tuple[jax.Array, jax.Array]] = None) -> jax.Array:
+           prefix: Optional[Tuple[jax.Array, jax.Array]] = None, step: str = "fast") -> jax.Array:
     """attend_reference, fast. Keys and values come head-major, [B, K, S, E], the KV cache's
     own layout, so both einsums are batched over (B, K) and XLA copies nothing of the cache.
-    A decoding step (one query per row) with grouped heads takes a multiply and a sum for
-    each product, one fused pass over the cache (a CPU's dots of G rows read it slowly);
-    GPT-2's one head per key head keeps the matmuls. Scores and softmax are float32; fully
-    masked rows (left padding) come out finite and are never read by real tokens.
+    A decoding step (one query per row) with grouped heads takes `step`'s way
+    (STEP_ATTENTIONS): "sums", a multiply and a sum for each product, or "dots"; GPT-2's one
+    head per key head keeps the matmuls. Scores and softmax are float32; fully masked rows
+    (left padding) come out finite and are never read by real tokens.
 
     prefix (k_KQE, v_KQE): Q keys and values every query sees before its row's S (a batch's
     shared few-shot examples, KVCache.prefix_keys): at a decoding step one matmul over all
@@ -281,7 +280,7 @@ def attend(q_BTHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allowed_BTS:
                                        jnp.broadcast_to(allowed_BTS, (B, *allowed_BTS.shape[1:]))], -1)
         prefix = None
     q_BKGTE = q_BTHE.reshape(B, T, K, H // K, E).transpose(0, 2, 3, 1, 4)
-    sums = T == 1 and H > K  # a decoding step with grouped heads: multiplies and sums, not matmuls
+    sums = T == 1 and H > K and backend_choice("step", step) == "sums"  # multiplies and sums, not matmuls
     if sums:
         scores = (q_BKGTE.astype(jnp.float32) * k_BKSE[:, :, None].astype(jnp.float32)).sum(-1)[:, :, :, None]
     else:
@@ -342,26 +341,69 @@ class AttentionConfig:
     dropout: float = 0.0
     residual_std: float = 0.02
     reference: bool = False  # attend_reference everywhere, instead of the fast paths
+    kernel: str = "fast"  # attend_causal's (ATTENTIONS)
+    step: str = "fast"  # a decoding step's (STEP_ATTENTIONS)
+    cache: str = "fast"  # how the KV cache is written (CACHE_UPDATES)
     query_block: int = 256  # queries per block of attend_causal's blocked path
 
 
-def uses_cudnn(dtype: Any) -> bool:
-    """Whether attend_causal asks for cuDNN's fused attention: on a GPU, in half precision."""
-    return jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+# How each backend computes attention, never what: every kernel equals attend_reference.
+# GPT(attention="fast", step_attention="fast") take their backend's row; a kernel's name
+# forces it anywhere (ATTENTIONS, STEP_ATTENTIONS), so a user can pick and a test compare.
+#   half, full: attend_causal's kernel for rows without a cache (scoring, training) in half
+#     precision, in float32: "xla" attend's einsums (in query blocks, attend_blocks, on long
+#     rows), "cudnn" cuDNN's fused kernel (jax.nn.dot_product_attention), "splash" JAX's
+#     Pallas splash attention for TPUs (attend_splash). Float32 keeps "xla": its answers
+#     equal a CPU's.
+#   step: a decoding step's grouped heads (attend): "sums", a multiply and a sum for each
+#     product, one pass over the cache (a CPU's dots of G rows read it slowly), or "dots",
+#     einsums (a TPU's matrix unit).
+#   cache: how new keys and values go into the stacked KV cache (cache_write): "layer", into a
+#     copy of their layer's slice first (XLA's CPU code copies the whole stack otherwise), or
+#     "stack", into the stack in place, the layer read from it (a TPU copies no slice).
+#   rows: attend_blocks' rows at a time: "all", or "device", one per device of the mesh's
+#     "batch" axis (so a block's scores stay in a CPU's cache).
+BACKEND_ATTENTION = {
+    "cpu": dict(half="xla", full="xla", step="sums", cache="layer", rows="device"),
+    "gpu": dict(half="cudnn", full="xla", step="sums", cache="layer", rows="all"),
+    "tpu": dict(half="splash", full="xla", step="dots", cache="stack", rows="all"),
+}
+OTHER_BACKEND = dict(half="xla", full="xla", step="sums", cache="layer", rows="all")
+ATTENTIONS = ("fast", "reference", "xla", "cudnn", "splash")  # GPT.attention ("reference": attend_reference)
+STEP_ATTENTIONS = ("fast", "sums", "dots")  # GPT.step_attention
+CACHE_UPDATES = ("fast", "layer", "stack")  # GPT.cache_update
+
+
+def backend_choice(kind: str, choice: str = "fast") -> str:
+    """`choice`, or for "fast" this backend's BACKEND_ATTENTION[kind]."""
+    return BACKEND_ATTENTION.get(jax.default_backend(), OTHER_BACKEND)[kind] if choice == "fast" else choice
+
+
+def causal_kernel(choice: str, dtype: Any, T: int, masked: bool, softcap: Optional[float]) -> str:
+    """The kernel attend_causal runs for `choice` (ATTENTIONS, "fast": the backend's for the
+    dtype) on T tokens: "xla" where the chosen one cannot, under a mask (packed rows, or where
+    windows mix), cuDNN's with a soft-cap, splash's where T is no multiple of its blocks."""
+    half = jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+    kernel = backend_choice("half" if half else "full", choice)
+    if masked or (kernel == "cudnn" and softcap is not None) or (kernel == "splash" and T % SPLASH_BLOCK_MIN):
+        return "xla"
+    return kernel
 
 
 def attend_causal(q_BTHE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, allowed_BTS: Optional[jax.Array] = None,
                   scale: Optional[float] = None, window: Optional[int] = None,
-                  softcap: Optional[float] = None, query_block: int = 256) -> jax.Array:
+                  softcap: Optional[float] = None, query_block: int = 256, kernel: str = "fast") -> jax.Array:
     """attend_reference without a cache, fast, where no query sees a later key (rows right
     padded, or packed). allowed_BTS None: plain causal within the window W (i - W < j <= i);
-    else which keys each query sees. Three ways: cuDNN's fused kernel on a GPU in half
-    precision, plain causal without a soft-cap; rows of at most query_block // 4 tokens
-    through attend's einsums, whole squares at once; longer rows in blocks of query_block
-    queries (attend_blocks), each over the keys up to its last query only (on a CPU a few
-    rows at a time, rows_at_a_time)."""
+    else which keys each query sees. The kernel is causal_kernel's for `kernel`: cuDNN's or
+    splash's fused ones; or "xla": rows of at most query_block // 4 tokens through attend's
+    einsums, whole squares at once, longer rows in blocks of query_block queries
+    (attend_blocks), each over the keys up to its last query only (rows_at_a_time at once)."""
     B, T = q_BTHE.shape[:2]
-    if allowed_BTS is None and softcap is None and uses_cudnn(q_BTHE.dtype):
+    kernel = causal_kernel(kernel, q_BTHE.dtype, T, allowed_BTS is not None, softcap)
+    if kernel == "splash":
+        return attend_splash(q_BTHE, k_BTKE, v_BTKE, scale, window, softcap)
+    if kernel == "cudnn":
         local = None if window is None else (window - 1, 0)  # i - left <= j <= i + right
         try:
             return jax.nn.dot_product_attention(q_BTHE, k_BTKE, v_BTKE, scale=scale, is_causal=True,
@@ -387,11 +429,49 @@ def attend_causal(q_BTHE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, allow
     return y_NRTHE.swapaxes(0, 1).reshape(q_BTHE.shape)
 
 
+SPLASH_BLOCK_MIN, SPLASH_BLOCK_MAX = 128, 512  # splash's query and key blocks: a multiple of 128 that divides T
+
+
+def attend_splash(q_BTHE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, scale: Optional[float],
+                  window: Optional[int], softcap: Optional[float]) -> jax.Array:
+    """attend_causal by JAX's Pallas splash attention kernel for TPUs (interpreted elsewhere,
+    for tests): plain causal within the window, the soft-cap inside it, never a [T, S] score
+    in memory. Each row and key head is one call of its multi-query kernel over that head's
+    G queries; on a mesh each device calls it on its own rows and heads (jax.shard_map), as a
+    Pallas kernel is opaque to XLA's partitioner."""
+    mesh = jax.sharding.get_abstract_mesh()
+    local = functools.partial(splash_on_device, scale=scale, window=window, softcap=softcap)
+    if mesh.empty or mesh.size == 1:
+        return local(q_BTHE, k_BTKE, v_BTKE)
+    on = lambda axis, n: axis if axis in mesh.shape and n % mesh.shape[axis] == 0 else None
+    spec = PartitionSpec(on("batch", q_BTHE.shape[0]), None, on("shard", k_BTKE.shape[2]), None)  # groups stay whole
+    return jax.shard_map(local, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)(q_BTHE, k_BTKE, v_BTKE)
+
+
+def splash_on_device(q_BTHE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, scale: Optional[float],
+                     window: Optional[int], softcap: Optional[float]) -> jax.Array:
+    """attend_splash on one device's rows and heads."""
+    B, T, H, E = q_BTHE.shape
+    K = k_BTKE.shape[2]
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+    block = math.gcd(T, SPLASH_BLOCK_MAX)
+    mask = masks.CausalMask((T, T)) if window is None else masks.LocalMask((T, T), (window - 1, 0), 0)
+    sizes = dict(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block, block_kv_dkv=block,
+                 block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+    kernel = splash.make_splash_mqa_single_device(masks.MultiHeadMask([mask] * (H // K)),
+                                                  block_sizes=splash.BlockSizes(**sizes), attn_logits_soft_cap=softcap,
+                                                  interpret=jax.default_backend() != "tpu")
+    q_BKGTE = q_BTHE.reshape(B, T, K, H // K, E).transpose(0, 2, 3, 1, 4)
+    q_BKGTE = q_BKGTE * jnp.asarray(1 / math.sqrt(E) if scale is None else scale, q_BTHE.dtype)
+    y_BKGTE = jax.vmap(jax.vmap(kernel))(q_BKGTE, k_BTKE.transpose(0, 2, 1, 3), v_BTKE.transpose(0, 2, 1, 3))
+    return y_BKGTE.transpose(0, 3, 1, 2, 4).reshape(B, T, H, E)
+
+
 def rows_at_a_time(B: int) -> int:
-    """How many rows attend_blocks takes at once: all B on an accelerator; on a CPU one per
-    device of the "batch" axis of the mesh traced under (jax.set_mesh), so that a block's
-    scores stay in cache."""
-    if jax.default_backend() != "cpu":
+    """How many rows attend_blocks takes at once (BACKEND_ATTENTION's rows): all B, or one per
+    device of the "batch" axis of the mesh traced under (jax.set_mesh)."""
+    if backend_choice("rows") == "all":
         return B
     mesh = jax.sharding.get_abstract_mesh()
     devices = 1 if mesh.empty else mesh.shape.get("batch", 1)
@@ -435,13 +515,18 @@ class Layer(NamedTuple):
     prefix: Optional[Tuple[jax.Array, jax.Array]]
 
 
-def cache_write(cache_LBKSE: jax.Array, depth: jax.Array, slot: jax.Array,
-                new_BKTE: jax.Array) -> Tuple[jax.Array, jax.Array]:
+def cache_write(cache_LBKSE: jax.Array, depth: jax.Array, slot: jax.Array, new_BKTE: jax.Array,
+                how: str = "fast") -> Tuple[jax.Array, jax.Array]:
     """(layer `depth`'s cache with the T new keys or values at `slot` [B, K, S, E]; the stack
-    [L, B, K, S, E] with them written in place), the layer read before the stack is written
-    (written from new_BKTE directly, XLA copied the whole stack at every layer to keep both)."""
+    [L, B, K, S, E] with them written), as `how` says (CACHE_UPDATES): "layer" writes a copy of
+    the layer, read before the stack is written, then the stack from it; "stack" writes the
+    stack in place and reads the layer from it."""
+    new_1BKTE = new_BKTE.astype(cache_LBKSE.dtype)[None]
+    if backend_choice("cache", how) == "stack":
+        stack = jax.lax.dynamic_update_slice(cache_LBKSE, new_1BKTE, (depth, 0, 0, slot, 0))
+        return jax.lax.dynamic_index_in_dim(stack, depth, 0, False), stack
     layer_BKSE = jax.lax.dynamic_update_slice(jax.lax.dynamic_index_in_dim(cache_LBKSE, depth, 0, False),
-                                              new_BKTE.astype(cache_LBKSE.dtype), (0, 0, slot, 0))
+                                              new_1BKTE[0], (0, 0, slot, 0))
     written_1BKTE = jax.lax.dynamic_slice_in_dim(layer_BKSE, slot, new_BKTE.shape[2], 2)[None]
     return layer_BKSE, jax.lax.dynamic_update_slice(cache_LBKSE, written_1BKTE, (depth, 0, 0, slot, 0))
 
@@ -488,7 +573,8 @@ class Attention(Module):
         if rotary_tables is not None:
             q_BTHE, k_BTKE = rotary(q_BTHE, *rotary_tables), rotary(k_BTKE, *rotary_tables)
         if kv is not None:  # the T new keys/values into this layer's cache slots
-            (k_BKSE, keys), (v_BKSE, values) = (cache_write(c_LBKSE, layer.depth, slot, x_BTKE.transpose(0, 2, 1, 3))
+            (k_BKSE, keys), (v_BKSE, values) = (cache_write(c_LBKSE, layer.depth, slot, x_BTKE.transpose(0, 2, 1, 3),
+                                                            c.cache)
                                                 for c_LBKSE, x_BTKE in zip(kv, (k_BTKE, v_BTKE)))
             kv = (keys, values)
         # no cache, or an empty one (fresh): the new tokens see only each other, no later key;
@@ -502,10 +588,11 @@ class Attention(Module):
             y_BTHE = attend_reference(q_BTHE, k_BKSE.astype(q_BTHE.dtype), v_BKSE.astype(q_BTHE.dtype), allowed_BTS,
                                       c.scale, c.softcap, None if own else prefix)
         elif own:
-            y_BTHE = attend_causal(q_BTHE, k_BTKE, v_BTKE, allowed_BTS, c.scale, c.window, c.softcap, c.query_block)
+            y_BTHE = attend_causal(q_BTHE, k_BTKE, v_BTKE, allowed_BTS, c.scale, c.window, c.softcap, c.query_block,
+                                   c.kernel)
         else:
             y_BTHE = attend(q_BTHE, k_BKSE.astype(q_BTHE.dtype), v_BKSE.astype(q_BTHE.dtype), allowed_BTS,
-                            c.scale, c.softcap, prefix)
+                            c.scale, c.softcap, prefix, c.step)
         y_BTD = self.o(y_BTHE.reshape(B, T, c.n_head * c.head_dim))
         return self.drop(y_BTD, deterministic=deterministic), kv
 
@@ -795,7 +882,9 @@ class GPT(Module):
     n_experts_per_token: int = 2  # the router's top k
     shared_expert_hidden: Optional[int] = None  # the width of an expert every token uses (Qwen2-MoE)
     # how it is computed, not what: neither is saved with a checkpoint (EXECUTION_FIELDS)
-    attention: str = "fast"  # "reference": attend_reference everywhere (the simple path)
+    attention: str = "fast"  # the backend's (BACKEND_ATTENTION), "reference" (the simple path) or a kernel
+    step_attention: str = "fast"  # a decoding step's grouped heads: the backend's, "sums" or "dots"
+    cache_update: str = "fast"  # how the KV cache is written: the backend's, "layer" or "stack"
     query_block: int = 256  # queries per block of attend_causal's blocked path
 
     def __post_init__(self) -> None:
@@ -846,6 +935,8 @@ class GPT(Module):
             qk_norm_full=self.qk_norm_full, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
             scale=self.attn_scale, softcap=self.attn_softcap, dropout=self.dropout,
             residual_std=0.02 / math.sqrt(2 * self.n_layers), reference=self.attention == "reference",
+            kernel="fast" if self.attention == "reference" else self.attention, step=self.step_attention,
+            cache=self.cache_update,
             query_block=self.query_block, window=self.sliding_window if self.layer_kinds == [True] else None)
         if local and self.local_rope_theta is not None:  # Gemma 3
             c = dataclasses.replace(c, rope_theta=self.local_rope_theta, rope_scaling=None)
@@ -1075,7 +1166,7 @@ class GPT(Module):
         return [Block, Norm, Linear]
 
 
-EXECUTION_FIELDS = ("attention", "query_block")  # GPT fields that change how, never what, it computes
+EXECUTION_FIELDS = ("attention", "step_attention", "cache_update", "query_block")  # GPT fields that change how, never what, it computes
 
 # What makes each HuggingFace family different, as GPT fields (the loader adds sizes).
 FAMILIES = {

@@ -650,7 +650,7 @@ class InferenceJob:
         """Refuse a batch that cannot fit before building it: the float32 logits and
         log-probabilities of its `scored` positions per row (a piece at a time, see
         token_scores), the keys and values of every layer, and the float32 attention scores
-        and probabilities of `queries` queries per row at once (0: a fused kernel, cuDNN),
+        and probabilities of `queries` queries per row at once (0: a fused kernel),
         against the memory available."""
         m = self.model
         logits = 2 * min(rows * scored * m.vocab_size * 4, LOGITS_BYTES)
@@ -836,9 +836,11 @@ class InferenceJob:
         rows."""
         n, packed = chunks * rows, any(len(p.requests) > 1 for p in packs)
         fast.check_plan(len(packs) <= n, packs[-1].requests[0].doc, f"{len(packs)} packs in a block of {n} rows")
-        # cuDNN's fused attention (no [T, S] scores in memory) runs only unpacked rows without a
-        # soft-cap; else queries go in blocks of the model's query_block (gpt.attend_causal)
-        fused = gpt.uses_cudnn(self.model.adtype) and self.model.attn_softcap is None and not packed
+        # a fused attention kernel holds no [T, S] scores in memory; else queries go in blocks of
+        # the model's query_block (gpt.attend_causal)
+        m = self.model
+        fused = m.attention != "reference" and gpt.causal_kernel(m.attention, m.adtype, length, packed,
+                                                                  m.attn_softcap) != "xla"
         self.check_memory(rows, length, width, 0 if fused else min(length, self.model.query_block))
         tokens, mask = self.pad([p.tokens for p in packs], length, n, left=False)
         per_share = rows // self.dp

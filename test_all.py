@@ -435,7 +435,7 @@ def test_fused_causal_path_equals_left_padded_masked_path(name, batch, shard, bl
     real token, on one device and tensor-parallel. With a query block of 2 both take the
     blocked path (each block only the keys up to its last query, and past the window of 3;
     on the 4x2 mesh a row of each device's share at a time). Soft-capped scores (mixture)
-    never take a fused kernel, which cannot cap them. (A padding query's logits are junk
+    never take cuDNN's kernel, which cannot cap them. (A padding query's logits are junk
     either way and are not compared.)"""
     model = tiny(**CONFIGS[name], query_block=block or 256)
     mesh = gpt.make_mesh(batch, shard, devices=jax.devices()[:batch * shard])
@@ -448,8 +448,8 @@ def test_fused_causal_path_equals_left_padded_masked_path(name, batch, shard, bl
     put = lambda x: jax.device_put(x, gpt.input_sharding(model, mesh, ("batch", None)))
     if block is not None:
         assert right_idx.shape[1] > 2 * block and len(rows) > batch  # several blocks, and steps over rows
-    if CONFIGS[name].get("attn_softcap") is not None:  # as if on a GPU: a fused kernel would be taken
-        monkeypatch.setattr(gpt, "uses_cudnn", lambda dtype: True)
+    if CONFIGS[name].get("attn_softcap") is not None:  # cuDNN's kernel asked for, never taken
+        model = model.clone(attention="cudnn")
         monkeypatch.setattr(jax.nn, "dot_product_attention", None)  # calling it would fail
     with jax.set_mesh(mesh):
         reference, masked = (np.asarray(forward(m)(params, put(left_idx), put(left_mask)))
@@ -458,6 +458,32 @@ def test_fused_causal_path_equals_left_padded_masked_path(name, batch, shard, bl
     assert np.abs(masked - reference)[left_mask].max() <= 1e-5
     for b, row in enumerate(rows):
         assert np.abs(reference[b, -len(row):] - fused[b, :len(row)]).max() <= 1e-5
+
+
+@pytest.mark.parametrize("name,extra", [("llama", {}), ("mistral", {}), ("llama", dict(attn_softcap=2.0))])
+@pytest.mark.parametrize("batch,shard", [(1, 1), (4, 2)])
+def test_splash_attention_equals_the_reference_attention(name, extra, batch, shard):
+    """JAX's Pallas splash kernel (a TPU's choice in half precision; interpreted here) gives
+    the reference attention's logits for unmasked rows of 128 and 256 tokens (its blocks of
+    128 and 256): grouped heads, a window on every layer (mistral), soft-capped scores; on
+    one device and on a 4x2 mesh (each device its own rows and key heads, jax.shard_map);
+    and the reference's gradients."""
+    model = tiny(**CONFIGS[name], **extra, block_size=256)
+    mesh = gpt.make_mesh(batch, shard, devices=jax.devices()[:batch * shard])
+    params = gpt.place_params(model, mesh, init(model))
+    put = lambda x: jax.device_put(x, gpt.input_sharding(model, mesh, ("batch", None)))
+    splash, reference = model.clone(attention="splash"), model.clone(attention="reference")
+    assert gpt.causal_kernel("splash", jnp.float32, 128, False, 2.0) == "splash"
+    for length in (128, 256):
+        idx = put(np.random.default_rng(length).integers(0, 320, (4, length)))
+        with jax.set_mesh(mesh):
+            got, want = (np.asarray(jax.jit(lambda p, x: m.apply(p, x, deterministic=True)[0])(params, idx))
+                         for m in (splash, reference))
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    if (batch, shard) == (1, 1):
+        loss = lambda m: jax.jit(jax.grad(lambda p: m.apply(p, idx, deterministic=True)[0].std()))(params)
+        for got, want in zip(*(jax.tree.leaves(loss(m)) for m in (splash, reference))):
+            assert np.abs(got - want).max() <= 1e-5 * max(np.abs(want).max(), 1e-6)
 
 
 def test_fused_attention_falls_back_where_cudnn_is_absent(monkeypatch):
@@ -1318,14 +1344,17 @@ def fuzz_settings(examples):
 @fuzz_settings(3)
 @hypothesis.given(name=st.sampled_from(sorted(CONFIGS)), lengths=st.lists(st.integers(1, 12), min_size=1, max_size=5),
                   prefix=st.integers(0, 6), fresh=st.booleans(), block=st.sampled_from([2, 256]),
-                  steps=st.integers(1, 4), seed=st.integers(0, 9))
-def test_fast_attention_equals_the_reference_attention(name, lengths, prefix, fresh, block, steps, seed):
+                  steps=st.integers(1, 4), seed=st.integers(0, 9), step=st.sampled_from(gpt.STEP_ATTENTIONS[1:]),
+                  cache_update=st.sampled_from(gpt.CACHE_UPDATES[1:]))
+def test_fast_attention_equals_the_reference_attention(name, lengths, prefix, fresh, block, steps, seed, step,
+                                                       cache_update):
     """Every fast attention path gives the logits of attend_reference (GPT(attention=
     "reference")), within 1e-5 of the largest: unmasked rows (attend_causal, whole-square or
     in query blocks), masked left-padded rows (attend), a KV cache's prefill (fresh, or over
     the cache's slots), decoding steps (attend's one-query path), and a shared prefix held
-    once (KVCache.prefix_keys), on every family's options."""
-    model = tiny(**CONFIGS[name], query_block=block)
+    once (KVCache.prefix_keys), on every family's options; a step's grouped heads by sums or
+    dots, the cache written through its layer or in place (gpt.BACKEND_ATTENTION)."""
+    model = tiny(**CONFIGS[name], query_block=block, step_attention=step, cache_update=cache_update)
     prefix = 0 if model.sliding_window is not None else prefix  # a shared prefix counts no window
     variables = init(model, seed)
     rng = np.random.default_rng(seed)
