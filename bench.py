@@ -62,6 +62,7 @@ import dataclasses
 import importlib.metadata
 import importlib.util
 import json
+import math
 import os
 import re
 import resource
@@ -1520,7 +1521,14 @@ def report_model(cfg: BenchConfig, name: str, write: Callable[[Any], None], say:
               "prompt": c.prompt, "new_tokens": c.new_tokens, "decoding": [],
               "attention": {kind: gpt.backend_choice(kind) for kind in gpt.OTHER_BACKEND}}
     say(f"{name}: scoring {c.batch} x {c.seq}")
-    forward = jax.jit(lambda v, x_BT, y_BT: -gpt.token_nll(model.apply(v, x_BT)[0], y_BT).sum(-1))
+    rows = max(1, min(c.batch, (1 << 30) // (c.seq * c.vocab * 4)))  # float32 logits of at most 1 GiB at once
+    rows = math.gcd(rows, c.batch)
+
+    def forward(v, x_BT, y_BT):  # `rows` rows at a time
+        nll = lambda xy: gpt.token_nll(model.apply(v, xy[0])[0], xy[1]).sum(-1)
+        split = lambda z_BT: z_BT.reshape(-1, rows, z_BT.shape[1])
+        return -jax.lax.map(nll, (split(x_BT), split(y_BT))).reshape(-1)
+    forward = jax.jit(forward)
     result["scoring"] = strip_outputs(bench_scoring(c, model, variables, mesh, hf, log, {"forward": forward}))
     write(result)
     batches = [int(b) for b in c.decode_batches.split(",")]

@@ -30,6 +30,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_masks
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -348,8 +350,9 @@ class AttentionConfig:
 
 
 # How each backend computes attention, never what: every kernel equals attend_reference.
-# GPT(attention="fast", step_attention="fast") take their backend's row; a kernel's name
-# forces it anywhere (ATTENTIONS, STEP_ATTENTIONS), so a user can pick and a test compare.
+# GPT's attention, step_attention and cache_update "fast" take their backend's row; a
+# choice's name forces it anywhere, so a user can pick and a test compare (docs/speed.md
+# measures the TPU's).
 #   half, full: attend_causal's kernel for rows without a cache (scoring, training) in half
 #     precision, in float32: "xla" attend's einsums (in query blocks, attend_blocks, on long
 #     rows), "cudnn" cuDNN's fused kernel (jax.nn.dot_product_attention), "splash" JAX's
@@ -453,13 +456,11 @@ def splash_on_device(q_BTHE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, sc
     """attend_splash on one device's rows and heads."""
     B, T, H, E = q_BTHE.shape
     K = k_BTKE.shape[2]
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
     block = math.gcd(T, SPLASH_BLOCK_MAX)
-    mask = masks.CausalMask((T, T)) if window is None else masks.LocalMask((T, T), (window - 1, 0), 0)
+    mask = splash_masks.CausalMask((T, T)) if window is None else splash_masks.LocalMask((T, T), (window - 1, 0), 0)
     sizes = dict(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block, block_kv_dkv=block,
                  block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
-    kernel = splash.make_splash_mqa_single_device(masks.MultiHeadMask([mask] * (H // K)),
+    kernel = splash.make_splash_mqa_single_device(splash_masks.MultiHeadMask([mask] * (H // K)),
                                                   block_sizes=splash.BlockSizes(**sizes), attn_logits_soft_cap=softcap,
                                                   interpret=jax.default_backend() != "tpu")
     q_BKGTE = q_BTHE.reshape(B, T, K, H // K, E).transpose(0, 2, 3, 1, 4)
