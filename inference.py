@@ -169,7 +169,7 @@ def cut_at_stop(text: str, stops: Sequence[str]) -> str:
 # ----------------------------------------------------------------------------- stop strings
 # A row is done at EOS or once its text holds one of its stop strings; a batch stops
 # decoding when all its rows are done. Text exists only on the host, so the jitted loop
-# runs segment_steps (SEGMENT_STEPS) tokens at a time with the cache kept on the device, and the host
+# runs segment_steps (SHAPES) tokens at a time with the cache kept on the device, and the host
 # checks the new tokens between segments (no round trip per token). A segment of 8 steps
 # overshoots the last row's end by 3.5 steps on average (at most 7), a few percent of a
 # typical answer, while a check costs a host copy of [B, N] token ids and a few decodes.
@@ -187,13 +187,14 @@ SEGMENT_STEPS = 8
 # A batch's prompts that begin alike (a task's fixed few-shot examples, such as gsm8k-cot's
 # 8) are prefilled from one row of that beginning (InferenceJob.shared_prefix)
 SHARED_PREFIX_STEP = 64
-# The shapes a platform gets (InferenceJob's lengths_per_octave and compact_rows): a CPU compiles
-# a program in about the time it computes a few thousand tokens, so blocks take 8 lengths between
-# two powers of two (little padding) and a rollout's last running rows move into fewer
-# (InferenceJob.compact); an accelerator takes seconds a program and pads nearly for free, so
-# there lengths are powers of two and every row of a rollout decodes to its end
-SHAPES = {"cpu": dict(lengths_per_octave=8, compact_rows=True)}
-ACCELERATOR_SHAPES = dict(lengths_per_octave=1, compact_rows=False)  # any platform not in SHAPES
+# The shapes a platform gets (InferenceJob's lengths_per_octave, compact_rows and segment_steps):
+# a CPU compiles a program in about the time it computes a few thousand tokens, so blocks take 8
+# lengths between two powers of two (little padding) and a rollout's last running rows move into
+# fewer (InferenceJob.compact); an accelerator takes seconds a program and pads nearly for free,
+# so there lengths are powers of two and every row of a rollout decodes to its end, in segments
+# of 32 steps (each segment's program boundary and host check cost more than a few steps there)
+SHAPES = {"cpu": dict(lengths_per_octave=8, compact_rows=True, segment_steps=SEGMENT_STEPS)}
+ACCELERATOR_SHAPES = dict(lengths_per_octave=1, compact_rows=False, segment_steps=32)  # any platform not in SHAPES
 
 
 def has_stop(text: str, stops: Sequence[str]) -> bool:
@@ -385,7 +386,7 @@ class InferenceJob:
                  batch_size: int = 8, chunks: int = 16, seed: int = 0, quiet: bool = False,
                  share_contexts: bool = True, simple: bool = False, fill_length: int = fast.FILL_LENGTH,
                  refill: bool = True, shared_prefix_step: int = SHARED_PREFIX_STEP,
-                 segment_steps: int = SEGMENT_STEPS, unembed_piece: int = UNEMBED_PIECE,
+                 segment_steps: Optional[int] = None, unembed_piece: int = UNEMBED_PIECE,
                  lengths_per_octave: Optional[int] = None, compact_rows: Optional[bool] = None):
         """`variables` are the model's parameters placed on `mesh` (gpt.init_params or
         gpt.place_params); batch_size is the most rows per forward pass (rounded up to a
@@ -400,10 +401,12 @@ class InferenceJob:
         unembed_piece (scored positions unembedded at a time), lengths_per_octave (block and
         rollout lengths between two powers of two; with 1, a last window's short batch takes a
         power of two of rows too: the fewest programs), compact_rows (a rollout's last running
-        rows move into fewer, compact); these two by default SHAPES's for the mesh's platform."""
+        rows move into fewer, compact); these two and segment_steps by default SHAPES's for the mesh's
+        platform."""
         shapes = SHAPES.get(mesh.devices.flat[0].platform, ACCELERATOR_SHAPES)
         lengths_per_octave = shapes["lengths_per_octave"] if lengths_per_octave is None else lengths_per_octave
         compact_rows = shapes["compact_rows"] if compact_rows is None else compact_rows
+        segment_steps = shapes["segment_steps"] if segment_steps is None else segment_steps
         for name, value in (("batch_size", batch_size), ("chunks", chunks), ("segment_steps", segment_steps),
                             ("lengths_per_octave", lengths_per_octave)):
             if value < 1:
