@@ -486,6 +486,23 @@ def test_splash_attention_equals_the_reference_attention(name, extra, batch, sha
             assert np.abs(got - want).max() <= 1e-5 * max(np.abs(want).max(), 1e-6)
 
 
+def test_each_backend_names_a_known_way_and_falls_back_where_it_cannot(monkeypatch):
+    """gpt.BACKEND_ATTENTION: every row names a known way for each choice; "fast" takes the
+    backend's (a TPU: splash in bfloat16, XLA's in float32); a fused kernel falls back to
+    XLA's under a mask, cuDNN's with a soft-cap, splash's where T is no multiple of 128."""
+    known = dict(half=gpt.ATTENTIONS[2:], full=gpt.ATTENTIONS[2:], step=gpt.STEP_ATTENTIONS[1:],
+                 cache=gpt.CACHE_UPDATES[1:], rows=("all", "device"))
+    for row in [*gpt.BACKEND_ATTENTION.values(), gpt.OTHER_BACKEND]:
+        assert row.keys() == known.keys() and all(row[k] in known[k] for k in row), row
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    kernel = lambda choice, dtype=jnp.bfloat16, T=256, masked=False, softcap=None: gpt.causal_kernel(
+        choice, dtype, T, masked, softcap)
+    assert (kernel("fast"), kernel("fast", jnp.float32), gpt.backend_choice("step"), gpt.backend_choice("cache")) == (
+        "splash", "xla", "dots", "stack")
+    assert kernel("fast", masked=True) == kernel("splash", T=200) == kernel("cudnn", softcap=2.0) == "xla"
+    assert kernel("splash", T=384, softcap=2.0) == "splash" and kernel("xla") == "xla"
+
+
 def test_fused_attention_falls_back_where_cudnn_is_absent(monkeypatch):
     """On a GPU in bfloat16 attend_causal asks for cuDNN; without it (here: a CPU that says
     it is a GPU) the same call runs XLA's attention instead of failing."""
