@@ -467,7 +467,7 @@ def test_splash_attention_equals_the_reference_attention(name, extra, batch, sha
     the reference attention's logits for unmasked rows of 128 and 256 tokens (its blocks of
     128 and 256): grouped heads, a window on every layer (mistral), soft-capped scores; on
     one device and on a 4x2 mesh (each device its own rows and key heads, jax.shard_map);
-    and the reference's gradients."""
+    and the reference's gradients (mistral's, on one device)."""
     model = tiny(**CONFIGS[name], **extra, block_size=256)
     mesh = gpt.make_mesh(batch, shard, devices=jax.devices()[:batch * shard])
     params = gpt.place_params(model, mesh, init(model))
@@ -480,7 +480,7 @@ def test_splash_attention_equals_the_reference_attention(name, extra, batch, sha
             got, want = (np.asarray(jax.jit(lambda p, x: m.apply(p, x, deterministic=True)[0])(params, idx))
                          for m in (splash, reference))
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
-    if (batch, shard) == (1, 1):
+    if (batch, shard) == (1, 1) and name == "mistral":
         loss = lambda m: jax.jit(jax.grad(lambda p: m.apply(p, idx, deterministic=True)[0].std()))(params)
         for got, want in zip(*(jax.tree.leaves(loss(m)) for m in (splash, reference))):
             assert np.abs(got - want).max() <= 1e-5 * max(np.abs(want).max(), 1e-6)
