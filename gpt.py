@@ -235,8 +235,6 @@ def layer_rotary(c: "AttentionConfig", pos_BT: jax.Array) -> Tuple[jax.Array, ja
                          c.rope_scaling[2] if longrope else 1.0)
 
 
-
-
 def attend_reference(q_BTHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allowed_BTS: jax.Array,
                      scale: Optional[float] = None, softcap: Optional[float] = None,
                      prefix: Optional[Tuple[jax.Array, jax.Array]] = None) -> jax.Array:
@@ -384,13 +382,13 @@ def backend_choice(kind: str, choice: str = "fast") -> str:
 
 def causal_kernel(choice: str, dtype: Any, T: int, masked: bool, softcap: Optional[float]) -> str:
     """The kernel attend_causal runs for `choice` (ATTENTIONS, "fast": the backend's for the
-    dtype) on T tokens: "xla" where the chosen one cannot, under a mask (packed rows, or where
-    windows mix), cuDNN's with a soft-cap, splash's where T is no multiple of its blocks."""
+    dtype) on T tokens: a fused one ("cudnn", "splash") where it can, else "xla" (also for
+    "reference"): not under a mask (packed rows, or where windows mix), not cuDNN's with a
+    soft-cap, not splash's where T is no multiple of its blocks."""
     half = jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
     kernel = backend_choice("half" if half else "full", choice)
-    if masked or (kernel == "cudnn" and softcap is not None) or (kernel == "splash" and T % SPLASH_BLOCK_MIN):
-        return "xla"
-    return kernel
+    cannot = masked or (kernel == "cudnn" and softcap is not None) or (kernel == "splash" and T % SPLASH_BLOCK_MIN)
+    return "xla" if cannot or kernel not in ("cudnn", "splash") else kernel
 
 
 def attend_causal(q_BTHE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, allowed_BTS: Optional[jax.Array] = None,
@@ -882,7 +880,7 @@ class GPT(Module):
     n_experts: Optional[int] = None  # a mixture of this many experts in every block, each mlp_hidden wide
     n_experts_per_token: int = 2  # the router's top k
     shared_expert_hidden: Optional[int] = None  # the width of an expert every token uses (Qwen2-MoE)
-    # how it is computed, not what: neither is saved with a checkpoint (EXECUTION_FIELDS)
+    # how it is computed, not what: none is saved with a checkpoint (EXECUTION_FIELDS)
     attention: str = "fast"  # the backend's (BACKEND_ATTENTION), "reference" (the simple path) or a kernel
     step_attention: str = "fast"  # a decoding step's grouped heads: the backend's, "sums" or "dots"
     cache_update: str = "fast"  # how the KV cache is written: the backend's, "layer" or "stack"
@@ -936,8 +934,7 @@ class GPT(Module):
             qk_norm_full=self.qk_norm_full, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
             scale=self.attn_scale, softcap=self.attn_softcap, dropout=self.dropout,
             residual_std=0.02 / math.sqrt(2 * self.n_layers), reference=self.attention == "reference",
-            kernel="fast" if self.attention == "reference" else self.attention, step=self.step_attention,
-            cache=self.cache_update,
+            kernel=self.attention, step=self.step_attention, cache=self.cache_update,
             query_block=self.query_block, window=self.sliding_window if self.layer_kinds == [True] else None)
         if local and self.local_rope_theta is not None:  # Gemma 3
             c = dataclasses.replace(c, rope_theta=self.local_rope_theta, rope_scaling=None)
@@ -1167,7 +1164,8 @@ class GPT(Module):
         return [Block, Norm, Linear]
 
 
-EXECUTION_FIELDS = ("attention", "step_attention", "cache_update", "query_block")  # GPT fields that change how, never what, it computes
+# GPT fields that change how, never what, it computes
+EXECUTION_FIELDS = ("attention", "step_attention", "cache_update", "query_block")
 
 # What makes each HuggingFace family different, as GPT fields (the loader adds sizes).
 FAMILIES = {

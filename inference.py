@@ -842,9 +842,8 @@ class InferenceJob:
         # a fused attention kernel holds no [T, S] scores in memory; else queries go in blocks of
         # the model's query_block (gpt.attend_causal)
         m = self.model
-        fused = m.attention != "reference" and gpt.causal_kernel(m.attention, m.adtype, length, packed,
-                                                                  m.attn_softcap) != "xla"
-        self.check_memory(rows, length, width, 0 if fused else min(length, self.model.query_block))
+        fused = gpt.causal_kernel(m.attention, m.adtype, length, packed, m.attn_softcap) != "xla"
+        self.check_memory(rows, length, width, 0 if fused else min(length, m.query_block))
         tokens, mask = self.pad([p.tokens for p in packs], length, n, left=False)
         per_share = rows // self.dp
         where, targets, owner, real_per_share = fast.scored_slots(packs, chunks * self.dp, per_share, length, width)
