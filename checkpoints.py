@@ -131,7 +131,7 @@ def check_sizes(m: gpt.GPT, where: str) -> None:
                          f"n_experts_per_token at most n_experts {m.n_experts}")
     for name, known in (("mlp", gpt.MLP_KINDS), ("norm", gpt.NORM_KINDS), ("param_dtype", gpt.DTYPES),
                         ("activation_dtype", gpt.DTYPES), ("attention", gpt.ATTENTIONS),
-                        ("step_attention", gpt.STEP_ATTENTIONS), ("cache_update", gpt.CACHE_UPDATES)):
+                        ("step_attention", gpt.STEP_ATTENTIONS)):
         if getattr(m, name) not in known:
             raise UsageError(f"{where}: unknown {name} {short(getattr(m, name))}; known: {', '.join(known)}")
     ranges = {"dropout": (0 <= m.dropout < 1, "in [0, 1)"), "norm_eps": (m.norm_eps > 0, "above 0"),

@@ -258,7 +258,8 @@ def attend_reference(q_BTHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, al
 
 def attend(q_BTHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allowed_BTS: jax.Array,
            scale: Optional[float] = None, softcap: Optional[float] = None,
-           prefix: Optional[Tuple[jax.Array, jax.Array]] = None, step: str = "fast") -> jax.Array:
+           prefix: Optional[Tuple[jax.Array, jax.Array]] = None, step: str = "fast",
+           own: Optional[Tuple[jax.Array, jax.Array, jax.Array]] = None) -> jax.Array:
     """attend_reference, fast. Keys and values come head-major, [B, K, S, E], the KV cache's
     own layout, so both einsums are batched over (B, K) and XLA copies nothing of the cache.
     A decoding step (one query per row) with grouped heads takes `step`'s way
@@ -270,6 +271,10 @@ def attend(q_BTHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allowed_BTS:
     shared few-shot examples, KVCache.prefix_keys): at a decoding step one matmul over all
     rows' queries, read once, the softmax over Q + S together; a prefill sees it copied
     before each row's keys (scores split in two would cost passes).
+
+    own (k_BK1E, v_BK1E, slot): a decoding step's own key and value, not yet in the cache,
+    which stand in for slot `slot`'s: equal to attending over the cache with them written
+    there, but the cache is only read (GPT.decode writes every layer's after the layers).
     """
     B, T, H, E = q_BTHE.shape
     K = k_BKSE.shape[1]
@@ -281,10 +286,16 @@ def attend(q_BTHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allowed_BTS:
         prefix = None
     q_BKGTE = q_BTHE.reshape(B, T, K, H // K, E).transpose(0, 2, 3, 1, 4)
     sums = T == 1 and H > K and backend_choice("step", step) == "sums"  # multiplies and sums, not matmuls
-    if sums:
-        scores = (q_BKGTE.astype(jnp.float32) * k_BKSE[:, :, None].astype(jnp.float32)).sum(-1)[:, :, :, None]
-    else:
-        scores = jnp.einsum("bkgte,bkse->bkgts", q_BKGTE, k_BKSE, preferred_element_type=jnp.float32)
+
+    def scores_against(k_BKSE: jax.Array) -> jax.Array:
+        if sums:
+            return (q_BKGTE.astype(jnp.float32) * k_BKSE[:, :, None].astype(jnp.float32)).sum(-1)[:, :, :, None]
+        return jnp.einsum("bkgte,bkse->bkgts", q_BKGTE, k_BKSE, preferred_element_type=jnp.float32)
+
+    scores = scores_against(k_BKSE)
+    if own is not None:
+        at_own_S = jnp.arange(k_BKSE.shape[2]) == own[2]
+        scores = jnp.where(at_own_S, scores_against(own[0].astype(k_BKSE.dtype)), scores)
     scores = jnp.where(allowed_BTS[:, None, None], capped(scores, E, scale, softcap), jnp.finfo(jnp.float32).min)
     if T == 1:  # one pass over the cache: softmax, then the weighted sum of v fused into it
         Q = 0
@@ -293,11 +304,17 @@ def attend(q_BTHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allowed_BTS:
                                        preferred_element_type=jnp.float32)
             scores, Q = jnp.concatenate([capped(prefix_scores, E, scale, softcap), scores], -1), prefix[0].shape[1]
         probs = jax.nn.softmax(scores, axis=-1)
+        probs_BKGS = probs[:, :, :, 0, Q:]
+        if own is not None:  # the stale value in the step's own slot weighs nothing; its own value takes its weight
+            own_BKG = jax.lax.dynamic_index_in_dim(probs_BKGS, own[2], -1, False)
+            probs_BKGS = jnp.where(at_own_S, 0.0, probs_BKGS)
         if sums:
-            y_BKGE = (probs[:, :, :, 0, Q:, None] * v_BKSE[:, :, None].astype(jnp.float32)).sum(-2)
+            y_BKGE = (probs_BKGS[..., None] * v_BKSE[:, :, None].astype(jnp.float32)).sum(-2)
         else:
-            y_BKGE = jnp.einsum("bkgs,bkse->bkge", probs[:, :, :, 0, Q:].astype(v_BKSE.dtype), v_BKSE,
+            y_BKGE = jnp.einsum("bkgs,bkse->bkge", probs_BKGS.astype(v_BKSE.dtype), v_BKSE,
                                 preferred_element_type=jnp.float32)
+        if own is not None:
+            y_BKGE = y_BKGE + own_BKG[..., None] * own[1].astype(jnp.float32)
         if prefix is not None:
             y_BKGE = y_BKGE + jnp.einsum("bkgq,kqe->bkge", probs[:, :, :, 0, :Q].astype(v_BKSE.dtype),
                                          prefix[1].astype(v_BKSE.dtype), preferred_element_type=jnp.float32)
@@ -343,12 +360,11 @@ class AttentionConfig:
     reference: bool = False  # attend_reference everywhere, instead of the fast paths
     kernel: str = "fast"  # attend_causal's (ATTENTIONS)
     step: str = "fast"  # a decoding step's (STEP_ATTENTIONS)
-    cache: str = "fast"  # how the KV cache is written (CACHE_UPDATES)
     query_block: int = 256  # queries per block of attend_causal's blocked path
 
 
 # How each backend computes attention, never what: every kernel equals attend_reference.
-# GPT's attention, step_attention and cache_update "fast" take their backend's row; a
+# GPT's attention and step_attention "fast" take their backend's row; a
 # choice's name forces it anywhere, so a user can pick and a test compare (docs/speed.md
 # measures the TPU's).
 #   half, full: attend_causal's kernel for rows without a cache (scoring, training) in half
@@ -359,20 +375,16 @@ class AttentionConfig:
 #   step: a decoding step's grouped heads (attend): "sums", a multiply and a sum for each
 #     product, one pass over the cache (a CPU's dots of G rows read it slowly), or "dots",
 #     einsums (a TPU's matrix unit).
-#   cache: how new keys and values go into the stacked KV cache (cache_write): "layer", into a
-#     copy of their layer's slice first (XLA's CPU code copies the whole stack otherwise), or
-#     "stack", into the stack in place, the layer read from it (a TPU copies no slice).
 #   rows: attend_blocks' rows at a time: "all", or "device", one per device of the mesh's
 #     "batch" axis (so a block's scores stay in a CPU's cache).
 BACKEND_ATTENTION = {
-    "cpu": dict(half="xla", full="xla", step="sums", cache="layer", rows="device"),
-    "gpu": dict(half="cudnn", full="xla", step="sums", cache="layer", rows="all"),
-    "tpu": dict(half="splash", full="xla", step="dots", cache="stack", rows="all"),
+    "cpu": dict(half="xla", full="xla", step="sums", rows="device"),
+    "gpu": dict(half="cudnn", full="xla", step="sums", rows="all"),
+    "tpu": dict(half="splash", full="xla", step="dots", rows="all"),
 }
-OTHER_BACKEND = dict(half="xla", full="xla", step="sums", cache="layer", rows="all")
+OTHER_BACKEND = dict(half="xla", full="xla", step="sums", rows="all")
 ATTENTIONS = ("fast", "reference", "xla", "cudnn", "splash")  # GPT.attention ("reference": attend_reference)
 STEP_ATTENTIONS = ("fast", "sums", "dots")  # GPT.step_attention
-CACHE_UPDATES = ("fast", "layer", "stack")  # GPT.cache_update
 
 
 def backend_choice(kind: str, choice: str = "fast") -> str:
@@ -505,36 +517,20 @@ def causal_window(q0: int, q1: int, k0: int, k1: int, window: Optional[int]) -> 
 
 class Layer(NamedTuple):
     """What differs from one layer to the next, scanned over with the layers' stacked
-    parameters (GPT.decode): the layer's index (where it reads and writes the stacked KV
-    cache), whether it is a local layer where local and global ones mix (None: all alike,
-    see GPT.layer_kinds), and its shared prefix's (k_KQE, v_KQE) (None without one)."""
+    parameters (GPT.decode): whether it is a local layer where local and global ones mix
+    (None: all alike, see GPT.layer_kinds), its shared prefix's (k_KQE, v_KQE) and its
+    slots of the KV cache (k_BKSE, v_BKSE) as they were before this call (None without)."""
 
-    depth: jax.Array
     local: Optional[jax.Array]
     prefix: Optional[Tuple[jax.Array, jax.Array]]
-
-
-def cache_write(cache_LBKSE: jax.Array, depth: jax.Array, slot: jax.Array, new_BKTE: jax.Array,
-                how: str = "fast") -> Tuple[jax.Array, jax.Array]:
-    """(layer `depth`'s cache with the T new keys or values at `slot` [B, K, S, E]; the stack
-    [L, B, K, S, E] with them written), as `how` says (CACHE_UPDATES): "layer" writes a copy of
-    the layer, read before the stack is written, then the stack from it; "stack" writes the
-    stack in place and reads the layer from it."""
-    new_1BKTE = new_BKTE.astype(cache_LBKSE.dtype)[None]
-    if backend_choice("cache", how) == "stack":
-        stack = jax.lax.dynamic_update_slice(cache_LBKSE, new_1BKTE, (depth, 0, 0, slot, 0))
-        return jax.lax.dynamic_index_in_dim(stack, depth, 0, False), stack
-    layer_BKSE = jax.lax.dynamic_update_slice(jax.lax.dynamic_index_in_dim(cache_LBKSE, depth, 0, False),
-                                              new_1BKTE[0], (0, 0, slot, 0))
-    written_1BKTE = jax.lax.dynamic_slice_in_dim(layer_BKSE, slot, new_BKTE.shape[2], 2)[None]
-    return layer_BKSE, jax.lax.dynamic_update_slice(cache_LBKSE, written_1BKTE, (depth, 0, 0, slot, 0))
+    kv: Optional[Tuple[jax.Array, jax.Array]]
 
 
 class Attention(Module):
     """Causal self-attention with grouped key/value heads, optional q/k norm and rotary. With
-    the KV cache of every layer (k_LBKSE, v_LBKSE) the new keys and values go into this
-    layer's at `slot` and the queries attend over its S slots (attend) as allowed_BTS says,
-    the window included; without one, attend_causal (allowed_BTS None: plain causal)."""
+    this layer's KV cache (Layer.kv) the queries attend over its S slots with the new keys
+    and values at `slot` (attend) as allowed_BTS says, the window included; without one,
+    attend_causal (allowed_BTS None: plain causal)."""
 
     cfg: AttentionConfig = AttentionConfig()
 
@@ -554,11 +550,11 @@ class Attention(Module):
 
     def __call__(self, x_BTD: jax.Array, rotary_tables: Optional[Tuple[jax.Array, jax.Array]],
                  allowed_BTS: Optional[jax.Array], layer: Layer, deterministic: bool = True,
-                 kv: Optional[Tuple[jax.Array, jax.Array]] = None, slot: Optional[jax.Array] = None,
-                 fresh: bool = False):
-        """(y_BTD, the updated (k_LBKSE, v_LBKSE) or None without a cache). rotary_tables: this
-        layer's (cos, sin) [B, T, R] (rotary_angles), or None without rotary; fresh: the cache
-        is empty (see GPT.decode); layer.prefix: the cache's shared (k_KQE, v_KQE) or None."""
+                 slot: Optional[jax.Array] = None, fresh: bool = False):
+        """(y_BTD, the new (k_BKTE, v_BKTE) for the cache's slots slot .. slot + T, which
+        GPT.decode writes, or None without a cache). rotary_tables: this layer's (cos, sin)
+        [B, T, R] (rotary_angles), or None without rotary; fresh: the cache is empty (see
+        GPT.decode); layer.prefix: the cache's shared (k_KQE, v_KQE) or None."""
         c = self.cfg
         B, T, D = x_BTD.shape
         q_BTHE = self.q(x_BTD).reshape(B, T, c.n_head, c.head_dim)
@@ -571,14 +567,16 @@ class Attention(Module):
             q_BTHE, k_BTKE = self.q_norm(q_BTHE), self.k_norm(k_BTKE)
         if rotary_tables is not None:
             q_BTHE, k_BTKE = rotary(q_BTHE, *rotary_tables), rotary(k_BTKE, *rotary_tables)
-        if kv is not None:  # the T new keys/values into this layer's cache slots
-            (k_BKSE, keys), (v_BKSE, values) = (cache_write(c_LBKSE, layer.depth, slot, x_BTKE.transpose(0, 2, 1, 3),
-                                                            c.cache)
-                                                for c_LBKSE, x_BTKE in zip(kv, (k_BTKE, v_BTKE)))
-            kv = (keys, values)
+        new_kv = None if layer.kv is None else (k_BTKE.transpose(0, 2, 1, 3), v_BTKE.transpose(0, 2, 1, 3))
         # no cache, or an empty one (fresh): the new tokens see only each other, no later key;
         # else they attend over all S slots. With a cache, allowed_BTS holds the window.
-        own, prefix = kv is None or fresh, layer.prefix
+        own, prefix = layer.kv is None or fresh, layer.prefix
+        step = not own and T == 1 and not c.reference  # attend reads the cache as it is, the new key beside it
+        if step:
+            k_BKSE, v_BKSE = layer.kv
+        elif not own:  # the T new keys and values into a copy of the layer's slots
+            k_BKSE, v_BKSE = (jax.lax.dynamic_update_slice(x, new.astype(x.dtype), (0, 0, slot, 0))
+                              for x, new in zip(layer.kv, new_kv))
         if c.reference:
             if own:
                 k_BKSE, v_BKSE = k_BTKE.transpose(0, 2, 1, 3), v_BTKE.transpose(0, 2, 1, 3)
@@ -591,9 +589,9 @@ class Attention(Module):
                                    c.kernel)
         else:
             y_BTHE = attend(q_BTHE, k_BKSE.astype(q_BTHE.dtype), v_BKSE.astype(q_BTHE.dtype), allowed_BTS,
-                            c.scale, c.softcap, prefix, c.step)
+                            c.scale, c.softcap, prefix, c.step, (*new_kv, slot) if step else None)
         y_BTD = self.o(y_BTHE.reshape(B, T, c.n_head * c.head_dim))
-        return self.drop(y_BTD, deterministic=deterministic), kv
+        return self.drop(y_BTD, deterministic=deterministic), new_kv
 
     def flops(self, seq: int) -> float:
         scores = 2 * 2 * seq * seq * self.cfg.n_head * self.cfg.head_dim  # q @ k^T and p @ v
@@ -763,12 +761,11 @@ class Block(Module):
         else:
             self.mlp = MoE(cfg=self.feedforward, experts=self.experts, **dt)
 
-    def __call__(self, carry: Tuple[jax.Array, Optional[Tuple[jax.Array, jax.Array]]], layer: Layer,
-                 context: "Context", deterministic: bool = True, fresh: bool = False, measure: bool = False):
-        """One layer, as GPT.decode scans it: carry (x_BTD, the KV cache of every layer or
-        None) -> ((x_BTD after the block, the cache with this layer's new keys and values),
-        x_BTD after the block if `measure` (GPT.measure's), else None)."""
-        x_BTD, kv = carry
+    def __call__(self, x_BTD: jax.Array, layer: Layer, context: "Context", deterministic: bool = True,
+                 fresh: bool = False, measure: bool = False):
+        """One layer, as GPT.decode scans it: x_BTD -> (x_BTD after the block, (x_BTD after the
+        block if `measure` (GPT.measure's) else None, this layer's new keys and values for
+        the KV cache (Attention's) or None))."""
         allowed_BTS, kind = context.allowed_BTS, 0
         if layer.local is not None:  # local and global layers mix: each picks its rotary table and mask
             kind = layer.local.astype(jnp.int32)
@@ -776,7 +773,7 @@ class Block(Module):
                 allowed_BTS = jnp.where(layer.local, context.local_BTS, context.allowed_BTS)
         rotary_tables = None if context.rotary is None else tuple(t[kind] for t in context.rotary)
         attn_in_BTD = self.ln_1(x_BTD) if self.pre_norm else x_BTD
-        a_BTD, kv = self.attn(attn_in_BTD, rotary_tables, allowed_BTS, layer, deterministic, kv, context.slot, fresh)
+        a_BTD, new_kv = self.attn(attn_in_BTD, rotary_tables, allowed_BTS, layer, deterministic, context.slot, fresh)
         if self.sandwich_norm:
             a_BTD = self.ln_attn_out(a_BTD)
         a_BTD = a_BTD * self.residual_multiplier
@@ -785,7 +782,7 @@ class Block(Module):
         if self.sandwich_norm:
             m_BTD = self.ln_mlp_out(m_BTD)
         out_BTD = x_BTD + a_BTD + m_BTD * self.residual_multiplier
-        return (out_BTD, kv), out_BTD if measure else None
+        return out_BTD, (out_BTD if measure else None, new_kv)
 
     @classmethod
     def components(cls) -> List[Type[Any]]:
@@ -883,7 +880,6 @@ class GPT(Module):
     # how it is computed, not what: none is saved with a checkpoint (EXECUTION_FIELDS)
     attention: str = "fast"  # the backend's (BACKEND_ATTENTION), "reference" (the simple path) or a kernel
     step_attention: str = "fast"  # a decoding step's grouped heads: the backend's, "sums" or "dots"
-    cache_update: str = "fast"  # how the KV cache is written: the backend's, "layer" or "stack"
     query_block: int = 256  # queries per block of attend_causal's blocked path
 
     def __post_init__(self) -> None:
@@ -934,8 +930,7 @@ class GPT(Module):
             qk_norm_full=self.qk_norm_full, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
             scale=self.attn_scale, softcap=self.attn_softcap, dropout=self.dropout,
             residual_std=0.02 / math.sqrt(2 * self.n_layers), reference=self.attention == "reference",
-            kernel=self.attention, step=self.step_attention, cache=self.cache_update,
-            query_block=self.query_block, window=self.sliding_window if self.layer_kinds == [True] else None)
+            kernel=self.attention, step=self.step_attention, query_block=self.query_block, window=self.sliding_window if self.layer_kinds == [True] else None)
         if local and self.local_rope_theta is not None:  # Gemma 3
             c = dataclasses.replace(c, rope_theta=self.local_rope_theta, rope_scaling=None)
         return c
@@ -957,7 +952,7 @@ class GPT(Module):
         """Each layer's Layer, stacked [L, ...] for the scan."""
         local = jnp.asarray([self.is_local(d) for d in range(self.n_layers)]) if len(self.layer_kinds) > 1 else None
         prefix = None if cache is None or cache.prefix_keys is None else (cache.prefix_keys, cache.prefix_values)
-        return Layer(jnp.arange(self.n_layers, dtype=jnp.int32), local, prefix)
+        return Layer(local, prefix, None if cache is None else (cache.keys, cache.values))
 
     def rotary_tables(self, pos_BT: jax.Array) -> Optional[Tuple[jax.Array, jax.Array]]:
         """(cos, sin) [N, B, T, R] of each kind of layer (layer_kinds) at these positions, or None
@@ -1032,9 +1027,9 @@ class GPT(Module):
         pos_BT = positions_for(mask_BT, positions)
         self.check_length(T if cache is None else cache.prefix_length + cache.valid_BS.shape[1])
         if cache is None:
-            valid_BS, query_T, key_S, kv, slot = mask_BT, jnp.arange(T), jnp.arange(T), None, None
+            valid_BS, query_T, key_S, slot = mask_BT, jnp.arange(T), jnp.arange(T), None
         else:
-            slot, kv = cache.slot, (cache.keys, cache.values)
+            slot = cache.slot
             cache_valid_BS = jax.lax.dynamic_update_slice(cache.valid_BS, mask_BT, (0, slot))
             if fresh:  # the keys are the new tokens alone
                 valid_BS, query_T, key_S = mask_BT, jnp.arange(T), jnp.arange(T)
@@ -1047,15 +1042,19 @@ class GPT(Module):
         context = Context(allowed_BTS, local_BTS, self.rotary_tables(pos_BT), mask_BT, slot)
         measure = self.is_mutable_collection("intermediates")  # asked for: each layer's output too
         # for each layer in turn, on its own slice of the stacked parameters and cache:
-        #     x_BTD, kv = Block(layer params)((x_BTD, kv), layer, context, ...)
-        (out_BTD, kv), outs_LBTD = self.blocks((x_BTD, kv), self.layer_inputs(cache), context, deterministic, fresh,
-                                               measure)
+        #     x_BTD, (_, new_kv[layer]) = Block(layer params)(x_BTD, layer, context, ...)
+        out_BTD, (outs_LBTD, new_kv) = self.blocks(x_BTD, self.layer_inputs(cache), context, deterministic, fresh,
+                                                   measure)
         for depth in range(self.n_layers if measure else 0):
             self.measure(outs_LBTD[depth], outs_LBTD[depth - 1] if depth else x_BTD, depth, mask_BT)
         x_BTD = self.ln_f(out_BTD)
         if cache is None:
             return x_BTD
-        return x_BTD, cache._replace(keys=kv[0], values=kv[1], valid_BS=cache_valid_BS,
+        # every layer's new keys and values in one write, after the layers: inside the scan a
+        # TPU would copy each layer's slots into another layout for every write
+        keys, values = (jax.lax.dynamic_update_slice(x, new.astype(x.dtype), (0, 0, 0, slot, 0))
+                        for x, new in zip((cache.keys, cache.values), new_kv))
+        return x_BTD, cache._replace(keys=keys, values=values, valid_BS=cache_valid_BS,
                                      slot=(slot + T) % cache_valid_BS.shape[1])
 
     def masks(self, pos_BT: jax.Array, allowed: Optional[jax.Array], masked: bool, valid_BS: jax.Array,
@@ -1165,7 +1164,7 @@ class GPT(Module):
 
 
 # GPT fields that change how, never what, it computes
-EXECUTION_FIELDS = ("attention", "step_attention", "cache_update", "query_block")
+EXECUTION_FIELDS = ("attention", "step_attention", "query_block")
 
 # What makes each HuggingFace family different, as GPT fields (the loader adds sizes).
 FAMILIES = {
