@@ -427,6 +427,7 @@ class InferenceJob:
         self._take_rows = jax.jit(self.take_rows)
         self._generators: Dict[Tuple, Tuple[Callable, Callable]] = {}
         self.counts = Counts()
+        self.rollout_lengths: set = set()  # prompt slots of the rollouts so far (plan_rollout)
         self.report: Optional[Progress] = None
         self.recorder: Optional[Recorder] = None  # a run's journal, which the finished windows go to
         self.scope = ""  # what the calls are for (an evaluation's name): with a count, a call's name
@@ -553,15 +554,18 @@ class InferenceJob:
         time into a block, the rest one by one; a short last batch has the next power of two of rows
         (a multiple of the data-parallel size), which later windows' short batches may share, or in
         the `last` window, where none comes after it, just its rows (the multiple of the
-        data-parallel size above them; with lengths_per_octave 1 a power of two still): MMLU's
-        40 questions make 6 packed rows of about 1,000 tokens, which 8 rows would pad by a third.
-        So no batch is all padding, little of a row is, and there are only a few shapes (so few
-        compilations) whatever the lengths."""
+        data-parallel size above them): MMLU's 40 questions make 6 packed rows of about 1,000
+        tokens, which 8 rows would pad by a third. So no batch is all padding, little of a row is,
+        and there are only a few shapes (so few compilations) whatever the lengths. With
+        lengths_per_octave 1 (an accelerator's, the fewest programs) a short batch has batch_size
+        rows: a full batch's program, not one more."""
         batches = self.batch_shapes(sizes, cap)
         for (rows, shape), group in itertools.groupby(batches, key=lambda b: b[1:]):
             group = list(group)
-            if rows < self.batch_size:
-                rows = rows if last and self.lengths_per_octave > 1 else 1 << (rows - 1).bit_length()
+            if rows < self.batch_size and self.lengths_per_octave == 1:
+                rows = self.batch_size
+            elif rows < self.batch_size:
+                rows = rows if last else 1 << (rows - 1).bit_length()
                 rows = min(self.batch_size, -(-rows // self.dp) * self.dp)
             while group:
                 chunks = most_chunks if len(group) >= most_chunks else 1
@@ -945,11 +949,17 @@ class InferenceJob:
         """The rollout's plan: each prompt's last `room` tokens, their shared beginning (none
         for kept rows, which are whole prompts), the cache slots a prompt takes (the longest
         prompt's: every later one fits), the rows, and the prompts left-padded after the
-        prefix; each checked to fit, and the whole to fit in memory."""
+        prefix; each checked to fit, and the whole to fit in memory. With lengths_per_octave 1
+        (an accelerator's fewest programs) a rollout has batch_size rows and takes an earlier
+        rollout's slots where they are at most twice its own: that rollout's programs."""
         prompts = [r.prompt[-room:] for r in queue]
         prefix = [] if keep_rows else self.shared_prefix(prompts)
         length = padded_length(len(prompts[0]), room, self.lengths_per_octave)
         rows = min(self.batch_size, -(-len(queue) // self.dp) * self.dp)
+        if self.lengths_per_octave == 1:
+            rows, length = self.batch_size, min([n for n in self.rollout_lengths if length <= n <= min(2 * length, room)],
+                                                default=length)
+            self.rollout_lengths.add(length)
         for r, p in zip(queue, prompts):  # each prompt, a first row's or a refill's, fits its row's cache slots
             fast.check_plan(len(p) <= length and p[:len(prefix)] == prefix, r.doc, f"a prompt of {len(p)} tokens in "
                             f"{length} cache slots, after a shared prefix of {len(prefix)}")

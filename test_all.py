@@ -942,15 +942,15 @@ def test_a_short_last_batch_pads_its_rows_only_where_a_later_window_could_share_
     """11 requests at 8 rows a batch: 8, then 3 rows, padded to 4 (a shape the short batch
     of a later window may share) but not in the last window, where only the mesh's "batch"
     size rounds them up; with an accelerator's lengths (lengths_per_octave 1, the fewest
-    programs) there too."""
+    programs) to 8 in every window: the full batch's program."""
     model, host = small
     mesh = gpt.make_mesh(batch, 1, devices=jax.devices()[:batch])
-    for per_octave, last_rows in ((8, 4 if batch == 4 else 3), (1, 4)):
+    for per_octave, rows_then, last_rows in ((8, 4, 4 if batch == 4 else 3), (1, 8, 8)):
         job = inference.InferenceJob(model, gpt.place_params(model, mesh, host), jobs.ByteTokenizer(), mesh,
                                      batch_size=8, quiet=True, lengths_per_octave=per_octave)
         sizes = [(n,) for n in range(40, 29, -1)]
         rows = lambda last: [rows for _, _, rows, _ in job.schedule(sizes, 64, 1, last)]
-        assert rows(False) == [8, 4] and rows(True) == [8, last_rows]
+        assert rows(False) == [8, rows_then] and rows(True) == [8, last_rows]
 
 
 def test_ragged_documents_waste_little_on_padding(monkeypatch):
@@ -1710,14 +1710,14 @@ def test_an_accelerators_shapes_build_fewer_programs_with_the_same_answers():
     """An accelerator's shapes (inference.ACCELERATOR_SHAPES: powers of two) against a CPU's:
     identical scores and generations, from fewer programs. Requests of 340-1000 tokens, four a
     block, score in blocks of 512 and 1024 tokens (a CPU's: 448, 704, 1024); three windows of
-    prompts of 260-500 tokens, each window's longest a different length, decode in one
-    rollout length (a CPU's: three)."""
+    prompts of 210-500 tokens, each window's longest a different length, the second's a power
+    of two shorter than the first's, decode in one rollout length (a CPU's: three)."""
     model = gpt.GPT(n_layers=1, n_embd=32, n_head=2, block_size=1024, vocab_size=320)
     host = jax.device_get(gpt.init_params(model, mesh_of(), seed=0))
     rng = np.random.default_rng(0)
     scored = [inference.Request(i, rng.integers(1, 256, n - 4).tolist(), rng.integers(1, 256, 4).tolist())
               for i, n in enumerate([1000, 980, 960, 940, 700, 680, 660, 640, 400, 380, 360, 340])]
-    longest = [300, 400, 500]  # each window's (32 prompts at a batch of 4)
+    longest = [500, 250, 400]  # each window's (32 prompts at a batch of 4)
     prompts = [inference.GenerationRequest(32 * w + i, rng.integers(1, 256, longest[w] - 40 * (i > 0)).tolist(), ())
                for w in range(3) for i in range(32)]
     answers, programs = {}, {}
