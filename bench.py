@@ -58,6 +58,7 @@ FLOPs are GPT.flops(seq) / 3 (forward only; attention counted over the full T x 
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import importlib.metadata
 import importlib.util
@@ -81,6 +82,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import transformers
+from jax.experimental import topologies
 from safetensors import safe_open
 from safetensors.numpy import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -91,6 +93,7 @@ except ImportError:
     torch = None
 
 import evaluate
+import fast
 import gpt
 import inference
 from hf import load_backbone
@@ -160,6 +163,10 @@ class BenchConfig:
     runs_workloads: str = option("default,mc,ppl,gen", "--gpu-report's runs part: the workloads of RUNS, in order")
     runs_items: int = option(273, "--make-fixture: multiple-choice questions and prompts of the runs part "
                                   "(its prose paragraphs: 101)")
+    compile_for: str = option("", "compile the evaluation's programs for a target without running them: v5e (a TPU "
+                                  "v5e, by libtpu's ahead-of-time compiler: pip install libtpu; no TPU needed) or "
+                                  "cpu; the model is --runs-model's shape in --dtype, --batch rows, --seq tokens "
+                                  "scored, --prompt and --new-tokens decoded")
 
 
 # ----------------------------------------------------------------------------- timing
@@ -1667,6 +1674,97 @@ def shapes_report_table(cfg: BenchConfig, s: Dict[str, Any]) -> List[str]:
     return lines
 
 
+# ----------------------------------------------------------------------------- compiling for a target (--compile-for)
+
+
+TOPOLOGIES = {"v5e": "v5e:1x1"}  # --compile-for's TPUs, by libtpu's topology names
+
+
+def target_mesh(target: str) -> Any:
+    """A one-device mesh of the target: this machine's CPU, or a TPU that libtpu's
+    topology describes (its ahead-of-time compiler builds programs for it; no TPU needed)."""
+    if target == "cpu":
+        return gpt.make_mesh(1, 1, devices=jax.devices("cpu")[:1])
+    if target not in TOPOLOGIES:
+        raise UsageError(f"--compile-for: unknown target {target!r}; choose from cpu, {', '.join(TOPOLOGIES)}")
+    try:
+        topology = topologies.get_topology_desc(platform="tpu", topology_name=TOPOLOGIES[target],
+                                                chip_config_name="default", chips_per_host_bounds=(1, 1, 1),
+                                                num_slices=1)
+    except Exception as e:  # no libtpu, or one that does not know the target
+        raise UsageError(f"--compile-for {target}: no TPU compiler here ({str(e).splitlines()[0][:120]}); "
+                         "pip install libtpu") from None
+    return gpt.make_mesh(1, 1, devices=list(topology.devices)[:1])
+
+
+@contextlib.contextmanager
+def platform_of(mesh: Any):
+    """jax.default_backend() reads as the mesh's platform while its programs are traced, so
+    the model takes the target's ways (gpt.BACKEND_ATTENTION's row, splash compiled, not
+    interpreted), not this machine's."""
+    platform, backend = mesh.devices.flat[0].platform, jax.default_backend
+    jax.default_backend = lambda: platform
+    try:
+        yield
+    finally:
+        jax.default_backend = backend
+
+
+def on_mesh(mesh: Any, shape: Tuple[int, ...], dtype: Any, spec: Any = None) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(mesh, spec or jax.sharding.PartitionSpec()))
+
+
+def cache_copies(text: str, cache_shape: Tuple[int, ...]) -> int:
+    """Copies, in a compiled program's text, of the KV cache or of one layer's slots of it."""
+    L, *rest = cache_shape
+    shapes = [",".join(map(str, s)) for s in ((L, *rest), (1, *rest), tuple(rest))]
+    return len(re.findall(r"= \w+\[(?:%s)\]\S* copy(?:-start)?\(" % "|".join(shapes), text))
+
+
+def compile_programs(cfg: BenchConfig, say: Callable[[str], None]) -> Dict[str, Any]:
+    """The evaluation's programs built for --compile-for's target, none run: a scoring block
+    of --batch rows of --seq tokens, every position scored (packed rows, and plain ones), and
+    a rollout of --batch prompts of --prompt tokens decoding --new-tokens (start, advance,
+    refill), for --runs-model's shape in --dtype: each one's compile seconds, and the copies
+    of the KV cache each leaves in (0 where it reads and writes the cache in place)."""
+    c = dataclasses.replace(cfg, **REPORT_MODELS[cfg.runs_model])
+    mesh, model = target_mesh(cfg.compile_for), project_model(c)
+    variables = jax.eval_shape(lambda: gpt.init_params(model, mesh))  # shapes and shardings, nothing made
+    job = inference.InferenceJob(model, variables, IdTokenizer(c.vocab), mesh, batch_size=c.batch, quiet=True)
+    B, T, P = c.batch, c.seq, c.prompt
+    ints, rows = lambda *shape: on_mesh(mesh, shape, jnp.int32), jax.sharding.PartitionSpec("batch")
+    block = (ints(1, B, T), ints(1, 1, B * T), ints(1, 1, B * T), ints(1))
+    start, advance, refill = job._generator(c.new_tokens, 0.0, 1.0)
+    prompts = (on_mesh(mesh, (B, P), jnp.int32, rows), on_mesh(mesh, (B, P), bool, rows))
+    with platform_of(mesh), jax.set_mesh(mesh):
+        rollout = jax.eval_shape(lambda v, p, m: fast.start_rollout(model, v, p, m, c.new_tokens), variables, *prompts)
+        rollout = jax.tree.map(lambda x: on_mesh(mesh, x.shape, x.dtype), rollout)
+        programs = {"score, packed": (job._score, (variables, block[0], (block[0],) * 4, *block[1:])),
+                    "score": (job._score, (variables, block[0], None, *block[1:])),
+                    "start": (start, (variables, *prompts, ints(B), 0, None)),
+                    "advance": (advance, (variables, rollout, on_mesh(mesh, (B,), bool), ints(B), 0)),
+                    "refill": (refill, (variables, rollout, ints(), ints(1, P), on_mesh(mesh, (1, P), bool), ints(1), 0))}
+        result: Dict[str, Any] = {"target": cfg.compile_for, "device": str(mesh.devices.flat[0].device_kind),
+                                  "model": cfg.runs_model, "dtype": c.dtype, "programs": {}}
+        for name, (fn, args) in programs.items():
+            say(f"compiling {name} for {cfg.compile_for}")
+            lowered = fn.lower(*args)
+            began = time.perf_counter()
+            text = lowered.compile().as_text()
+            result["programs"][name] = {"compile_s": time.perf_counter() - began,
+                                        "cache_copies": cache_copies(text, rollout.cache.keys.shape)}
+    return result
+
+
+def compile_table(cfg: BenchConfig, r: Dict[str, Any]) -> str:
+    c = r["compile"]
+    lines = [f"programs compiled for {c['target']} ({c['device']}), none run: {c['model']}'s shape in {c['dtype']}, "
+             f"{cfg.batch} rows, {cfg.seq} tokens scored, {cfg.prompt} prompt + {cfg.new_tokens} new",
+             f"{'program':16s} {'compile s':>10s} {'KV cache copies':>16s}"]
+    lines += [f"{name:16s} {p['compile_s']:10.2f} {p['cache_copies']:16d}" for name, p in c["programs"].items()]
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------- loading
 
 # Run in a fresh process, so that its peak memory is the load's: imports, then the load onto
@@ -1961,6 +2059,8 @@ def bench(argv: List[str]) -> None:
         results["fixture"] = make_fixture(cfg, say)
     elif cfg.gpu_report:
         results["gpu_report"] = gpu_report(cfg, argv, say)
+    elif cfg.compile_for:
+        results["compile"] = compile_programs(cfg, say)
     else:
         results.update(against_transformers(cfg, log, say))
     results["seconds"] = time.perf_counter() - started
@@ -1970,7 +2070,7 @@ def bench(argv: List[str]) -> None:
     else:
         report = limits_table if cfg.limits else shapes_table if cfg.shapes else load_table if cfg.load else \
             gpu_report_table if cfg.gpu_report else (lambda cfg, r: json.dumps(r["fixture"])) if cfg.make_fixture \
-            else table
+            else compile_table if cfg.compile_for else table
         print(f"measured on {results['measured_on']}\n{report(cfg, results)}")
 
 

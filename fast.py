@@ -348,9 +348,16 @@ def refill_rollout(model: gpt.GPT, params: Any, rollout: Rollout, row: jax.Array
     alone = model.init_cache(1, P)._replace(prefix_keys=cache.prefix_keys, prefix_values=cache.prefix_values)
     logits_1V, alone = model.apply(params, prompt_1P, mask_1P, alone, cache.prefix_keys is None, method=gpt.GPT.extend)
     slots_P = (cache.slot - P + jnp.arange(P)) % S
-    # x[:, row, :, slots_P] is [P, L, K, E]: the indexed axes come first, as in numpy
-    put = lambda x_LBKSE, new_L1KPE: x_LBKSE.at[:, row, :, slots_P].set(
-        new_L1KPE[:, 0].transpose(2, 0, 1, 3).astype(x_LBKSE.dtype))
+
+    def put(x_LBKSE: jax.Array, new_L1KPE: jax.Array) -> jax.Array:
+        """The row's S slots whole: the prompt's in slots_P, the others empty (unseen: not
+        valid). One update of the row, where a scatter into its slots makes a TPU copy the
+        whole cache into another layout and back."""
+        row_L1KSE = jnp.concatenate([new_L1KPE, jnp.zeros((*new_L1KPE.shape[:3], S - P, new_L1KPE.shape[4]),
+                                                          new_L1KPE.dtype)], 3)
+        row_L1KSE = jnp.roll(row_L1KSE, cache.slot - P, axis=3).astype(x_LBKSE.dtype)
+        return jax.lax.dynamic_update_slice(x_LBKSE, row_L1KSE, (0, row, 0, 0, 0))
+
     cache = cache._replace(keys=put(cache.keys, alone.keys), values=put(cache.values, alone.values),
                            valid_BS=cache.valid_BS.at[row].set(False).at[row, slots_P].set(mask_1P[0]))
     first, done = gpt.pick_token(logits_1V, 0, key_1, temperature, top_p)[0], ~mask_1P[0].any()

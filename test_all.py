@@ -4059,6 +4059,18 @@ def test_bench_gpu_report_dry_run(tmp_path):
     assert d["harness"]["steps"] >= 8 and d["step_bytes"] > m["param_bytes"]
 
 
+def test_bench_compiles_for_a_target_and_no_program_copies_the_kv_cache():
+    """--compile-for, here for this CPU (a TPU's needs libtpu): every program of the
+    evaluation builds without running, and none copies the KV cache or a layer's slots of it
+    (the layers read the cache where it lies and it is written in place: written inside the
+    layers' loop, a CPU's start and advance copied a layer's slots, a TPU's every program)."""
+    r = bench("--compile-for", "cpu", "--runs-model", "tiny", "--seq", "128", "--prompt", "16")["compile"]
+    assert r["target"] == "cpu" and list(r["programs"]) == ["score, packed", "score", "start", "advance", "refill"]
+    assert all(p["compile_s"] > 0 and p["cache_copies"] == 0 for p in r["programs"].values()), r["programs"]
+    with pytest.raises(AssertionError, match="unknown target 'v6'"):
+        bench("--compile-for", "v6")
+
+
 def test_a_gpu_report_part_out_of_time_is_stopped_with_what_it_started():
     """A part (and every process it started) is killed once its time is up, and reported so."""
     started = time.perf_counter()
