@@ -207,24 +207,25 @@ def rope_frequencies(rot: int, base: float, scaling: Optional[Tuple[Any, ...]] =
 
 
 def rotary_angles(pos_BT: jax.Array, freq_R: jax.Array, factor: float = 1.0) -> Tuple[jax.Array, jax.Array]:
-    """(cos, sin) [B, T, 2R] of the rotary angles at these positions, float32, for
-    rope_frequencies' R frequencies; longrope's attention factor scales both (transformers
-    scales cos and sin, so q.k by its square)."""
+    """(cos, sin) [B, T, R] of the rotary angles at these positions, float32, for
+    rope_frequencies' R frequencies (each half of a head turns by them, rotary);
+    longrope's attention factor scales both (transformers scales cos and sin, so q.k by its
+    square)."""
     angle_BTR = pos_BT[..., None].astype(jnp.float32) * freq_R[None, None, :]
-    angle_BTR = jnp.concatenate([angle_BTR, angle_BTR], -1)
     cos, sin = jnp.cos(angle_BTR), jnp.sin(angle_BTR)
     return (cos, sin) if factor == 1.0 else (cos * factor, sin * factor)
 
 
 def rotary(x_BTHE: jax.Array, cos_BTR: jax.Array, sin_BTR: jax.Array) -> jax.Array:
-    """Rotary position embedding on the first R of each head ("rotate half" layout, as
+    """Rotary position embedding on the first 2R of each head ("rotate half" layout, as
     Llama and GPT-NeoX store it: its halves x1, x2 become x1 cos - x2 sin, x2 cos + x1 sin),
-    by rotary_angles' tables, in float32; the rest as it is. The halves are a new axis, not
-    a concatenation along the head: a TPU compiles that in a third less time."""
+    by rotary_angles' R-wide tables, in float32; the rest as it is. The halves are a new
+    axis, not a concatenation along the head: a TPU compiles that in a third less time."""
     B, T, H, E = x_BTHE.shape
-    rot = cos_BTR.shape[-1]
-    cos, sin = cos_BTR[:, :, None, None, :rot // 2], sin_BTR[:, :, None, None, :rot // 2]  # one per head
-    x_BTH2R = x_BTHE[..., :rot].astype(jnp.float32).reshape(B, T, H, 2, rot // 2)
+    R = cos_BTR.shape[-1]
+    rot = 2 * R
+    cos, sin = cos_BTR[:, :, None, None, :], sin_BTR[:, :, None, None, :]  # one per head
+    x_BTH2R = x_BTHE[..., :rot].astype(jnp.float32).reshape(B, T, H, 2, R)
     x1, x2 = x_BTH2R[..., :1, :], x_BTH2R[..., 1:, :]
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -2).reshape(B, T, H, rot)
     return jnp.concatenate([rotated.astype(x_BTHE.dtype), x_BTHE[..., rot:]], -1)
@@ -933,7 +934,8 @@ class GPT(Module):
             qk_norm_full=self.qk_norm_full, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
             scale=self.attn_scale, softcap=self.attn_softcap, dropout=self.dropout,
             residual_std=0.02 / math.sqrt(2 * self.n_layers), reference=self.attention == "reference",
-            kernel=self.attention, step=self.step_attention, query_block=self.query_block, window=self.sliding_window if self.layer_kinds == [True] else None)
+            kernel=self.attention, step=self.step_attention, query_block=self.query_block,
+            window=self.sliding_window if self.layer_kinds == [True] else None)
         if local and self.local_rope_theta is not None:  # Gemma 3
             c = dataclasses.replace(c, rope_theta=self.local_rope_theta, rope_scaling=None)
         return c
