@@ -399,8 +399,9 @@ class InferenceJob:
         time), shared_prefix_step (the shared prompt beginning's unit; longer than any
         prompt: none), segment_steps (decoding steps between the host's stop checks),
         unembed_piece (scored positions unembedded at a time), lengths_per_octave (block and
-        rollout lengths between two powers of two; with 1, a last window's short batch takes a
-        power of two of rows too: the fewest programs), compact_rows (a rollout's last running
+        rollout lengths between two powers of two; with 1, the fewest programs: every block and
+        rollout has batch_size rows, and a rollout takes an earlier one's slots where they fit),
+        compact_rows (a rollout's last running
         rows move into fewer, compact); these two and segment_steps by default SHAPES's for the mesh's
         platform."""
         shapes = SHAPES.get(mesh.devices.flat[0].platform, ACCELERATOR_SHAPES)
@@ -956,9 +957,9 @@ class InferenceJob:
         prefix = [] if keep_rows else self.shared_prefix(prompts)
         length = padded_length(len(prompts[0]), room, self.lengths_per_octave)
         rows = min(self.batch_size, -(-len(queue) // self.dp) * self.dp)
-        if self.lengths_per_octave == 1:
-            rows, length = self.batch_size, min([n for n in self.rollout_lengths if length <= n <= min(2 * length, room)],
-                                                default=length)
+        if self.lengths_per_octave == 1:  # the fewest programs: an earlier rollout's, where its slots fit
+            rows = self.batch_size
+            length = min([n for n in self.rollout_lengths if length <= n <= min(2 * length, room)], default=length)
             self.rollout_lengths.add(length)
         for r, p in zip(queue, prompts):  # each prompt, a first row's or a refill's, fits its row's cache slots
             fast.check_plan(len(p) <= length and p[:len(prefix)] == prefix, r.doc, f"a prompt of {len(p)} tokens in "
