@@ -1710,8 +1710,10 @@ def platform_of(mesh: Any):
         jax.default_backend = backend
 
 
-def on_mesh(mesh: Any, shape: Tuple[int, ...], dtype: Any, spec: Any = None) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(mesh, spec or jax.sharding.PartitionSpec()))
+def on_mesh(mesh: Any, shape: Tuple[int, ...], dtype: Any, *spec: Optional[str]) -> jax.ShapeDtypeStruct:
+    """An argument's shape and dtype, placed on the mesh as `spec` says (none: replicated)."""
+    placed = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=placed)
 
 
 def cache_copies(text: str, cache_shape: Tuple[int, ...]) -> int:
@@ -1732,10 +1734,10 @@ def compile_programs(cfg: BenchConfig, say: Callable[[str], None]) -> Dict[str, 
     variables = jax.eval_shape(lambda: gpt.init_params(model, mesh))  # shapes and shardings, nothing made
     job = inference.InferenceJob(model, variables, IdTokenizer(c.vocab), mesh, batch_size=c.batch, quiet=True)
     B, T, P = c.batch, c.seq, c.prompt
-    ints, rows = lambda *shape: on_mesh(mesh, shape, jnp.int32), jax.sharding.PartitionSpec("batch")
+    ints = lambda *shape: on_mesh(mesh, shape, jnp.int32)
     block = (ints(1, B, T), ints(1, 1, B * T), ints(1, 1, B * T), ints(1))
     start, advance, refill = job._generator(c.new_tokens, 0.0, 1.0)
-    prompts = (on_mesh(mesh, (B, P), jnp.int32, rows), on_mesh(mesh, (B, P), bool, rows))
+    prompts = (on_mesh(mesh, (B, P), jnp.int32, "batch"), on_mesh(mesh, (B, P), bool, "batch"))
     with platform_of(mesh), jax.set_mesh(mesh):
         rollout = jax.eval_shape(lambda v, p, m: fast.start_rollout(model, v, p, m, c.new_tokens), variables, *prompts)
         rollout = jax.tree.map(lambda x: on_mesh(mesh, x.shape, x.dtype), rollout)
@@ -1743,7 +1745,8 @@ def compile_programs(cfg: BenchConfig, say: Callable[[str], None]) -> Dict[str, 
                     "score": (job._score, (variables, block[0], None, *block[1:])),
                     "start": (start, (variables, *prompts, ints(B), 0, None)),
                     "advance": (advance, (variables, rollout, on_mesh(mesh, (B,), bool), ints(B), 0)),
-                    "refill": (refill, (variables, rollout, ints(), ints(1, P), on_mesh(mesh, (1, P), bool), ints(1), 0))}
+                    "refill": (refill, (variables, rollout, ints(), ints(1, P), on_mesh(mesh, (1, P), bool),
+                                        ints(1), 0))}
         result: Dict[str, Any] = {"target": cfg.compile_for, "device": str(mesh.devices.flat[0].device_kind),
                                   "model": cfg.runs_model, "dtype": c.dtype, "programs": {}}
         for name, (fn, args) in programs.items():
