@@ -1526,7 +1526,8 @@ def report_model(cfg: BenchConfig, name: str, write: Callable[[Any], None], say:
     result = {"name": name, "shape": REPORT_MODELS[name], "params": gpt.count_params(variables),
               "param_bytes": nbytes(variables), "dtype": c.dtype, "seq": c.seq, "batch": c.batch,
               "prompt": c.prompt, "new_tokens": c.new_tokens, "decoding": [],
-              "attention": {kind: gpt.backend_choice(kind) for kind in gpt.OTHER_BACKEND}}
+              "attention": {kind: gpt.backend_choice(kind) for kind in gpt.OTHER_BACKEND},
+              "device": jax.devices()[0].device_kind}
     say(f"{name}: scoring {c.batch} x {c.seq}")
     rows = max(1, min(c.batch, (1 << 30) // (c.seq * c.vocab * 4)))  # float32 logits of at most 1 GiB at once
     rows = math.gcd(rows, c.batch)
@@ -1576,7 +1577,8 @@ def report_shapes(cfg: BenchConfig, write: Callable[[Any], None], say: Callable[
 def gpu_report_table(cfg: BenchConfig, r: Dict[str, Any]) -> str:
     g = r["gpu_report"]
     device, ceiling = g.get("device"), g.get("ceilings")
-    nominal = NOMINAL.get(device["name"]) if device else None
+    kinds = [g[p].get("device") for p in REPORT_MODELS if isinstance(g.get(p), dict)]  # without the device part
+    nominal = NOMINAL.get(device["name"] if device else next(filter(None, kinds), ""))
     peak = nominal[0] if nominal and cfg.dtype == "bfloat16" else ceiling and ceiling["gemm"]["flops_per_s"]
     memory = nominal[1] if nominal else ceiling and ceiling["copy_bytes_per_s"]
     lines = []

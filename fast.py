@@ -349,14 +349,15 @@ def refill_rollout(model: gpt.GPT, params: Any, rollout: Rollout, row: jax.Array
     logits_1V, alone = model.apply(params, prompt_1P, mask_1P, alone, cache.prefix_keys is None, method=gpt.GPT.extend)
     slots_P = (cache.slot - P + jnp.arange(P)) % S
 
-    def put(x_LBKSE: jax.Array, new_L1KPE: jax.Array) -> jax.Array:
+    def put(x_LBKRW: jax.Array, new_L1KRW: jax.Array) -> jax.Array:
         """The row's S slots whole: the prompt's in slots_P, the others empty (unseen: not
         valid). One update of the row, where a scatter into its slots makes a TPU copy the
-        whole cache into another layout and back."""
+        whole cache into another layout and back. Both come in rows (gpt.slots_per_row)."""
+        new_L1KPE = gpt.unpack_slots(new_L1KRW, model.head_width)
         row_L1KSE = jnp.concatenate([new_L1KPE, jnp.zeros((*new_L1KPE.shape[:3], S - P, new_L1KPE.shape[4]),
                                                           new_L1KPE.dtype)], 3)
-        row_L1KSE = jnp.roll(row_L1KSE, cache.slot - P, axis=3).astype(x_LBKSE.dtype)
-        return jax.lax.dynamic_update_slice(x_LBKSE, row_L1KSE, (0, row, 0, 0, 0))
+        row_L1KSE = jnp.roll(row_L1KSE, cache.slot - P, axis=3).astype(x_LBKRW.dtype)
+        return jax.lax.dynamic_update_slice(x_LBKRW, gpt.pack_slots(row_L1KSE, x_LBKRW.shape[-1]), (0, row, 0, 0, 0))
 
     cache = cache._replace(keys=put(cache.keys, alone.keys), values=put(cache.values, alone.values),
                            valid_BS=cache.valid_BS.at[row].set(False).at[row, slots_P].set(mask_1P[0]))

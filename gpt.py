@@ -281,24 +281,32 @@ def attend(q_BTHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allowed_BTS:
     there, but the cache is only read (GPT.decode writes every layer's after the layers).
     """
     B, T, H, E = q_BTHE.shape
-    K = k_BKSE.shape[1]
+    K, G = k_BKSE.shape[1], H // k_BKSE.shape[1]
+    sums = T == 1 and H > K and backend_choice("step", step) == "sums"  # multiplies and sums, not matmuls
+    if k_BKSE.shape[-1] != E and (T > 1 or sums):  # rows of P slots (slots_per_row): a step by dots reads them so
+        k_BKSE, v_BKSE = unpack_slots(k_BKSE, E), unpack_slots(v_BKSE, E)
+    P = k_BKSE.shape[-1] // E
+    S = k_BKSE.shape[2] * P
     if prefix is not None and T > 1:
         k_BKSE, v_BKSE = (jnp.concatenate([jnp.broadcast_to(p_KQE.astype(x.dtype), (B, *p_KQE.shape)), x], 2)
                           for p_KQE, x in zip(prefix, (k_BKSE, v_BKSE)))
         allowed_BTS = jnp.concatenate([jnp.ones((*allowed_BTS.shape[:2], prefix[0].shape[1]), bool),
                                        jnp.broadcast_to(allowed_BTS, (B, *allowed_BTS.shape[1:]))], -1)
         prefix = None
-    q_BKGTE = q_BTHE.reshape(B, T, K, H // K, E).transpose(0, 2, 3, 1, 4)
-    sums = T == 1 and H > K and backend_choice("step", step) == "sums"  # multiplies and sums, not matmuls
+    q_BKGTE = q_BTHE.reshape(B, T, K, G, E).transpose(0, 2, 3, 1, 4)
 
     def scores_against(k_BKSE: jax.Array) -> jax.Array:
         if sums:
             return (q_BKGTE.astype(jnp.float32) * k_BKSE[:, :, None].astype(jnp.float32)).sum(-1)[:, :, :, None]
+        if k_BKSE.shape[-1] != E:  # the query in each of a row's P slots' lanes, the rest zeros: [B, K, G, S/P, P]
+            q_BKGPW = (jnp.eye(P, dtype=q_BKGTE.dtype)[:, :, None] * q_BKGTE[:, :, :, :, None]).reshape(B, K, G, P, -1)
+            scores = jnp.einsum("bkgpw,bkrw->bkgrp", q_BKGPW, k_BKSE, preferred_element_type=jnp.float32)
+            return scores.reshape(B, K, G, 1, S)
         return jnp.einsum("bkgte,bkse->bkgts", q_BKGTE, k_BKSE, preferred_element_type=jnp.float32)
 
     scores = scores_against(k_BKSE)
     if own is not None:
-        at_own_S = jnp.arange(k_BKSE.shape[2]) == own[2]
+        at_own_S = jnp.arange(S) == own[2]
         scores = jnp.where(at_own_S, scores_against(own[0].astype(k_BKSE.dtype)), scores)
     scores = jnp.where(allowed_BTS[:, None, None], capped(scores, E, scale, softcap), jnp.finfo(jnp.float32).min)
     if T == 1:  # one pass over the cache: softmax, then the weighted sum of v fused into it
@@ -314,6 +322,10 @@ def attend(q_BTHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allowed_BTS:
             probs_BKGS = jnp.where(at_own_S, 0.0, probs_BKGS)
         if sums:
             y_BKGE = (probs_BKGS[..., None] * v_BKSE[:, :, None].astype(jnp.float32)).sum(-2)
+        elif P > 1:  # each of a row's P slots weighs the whole row, then takes its own lanes
+            y_BKGPW = jnp.einsum("bkgrp,bkrw->bkgpw", probs_BKGS.reshape(B, K, G, S // P, P).astype(v_BKSE.dtype),
+                                 v_BKSE, preferred_element_type=jnp.float32)
+            y_BKGE = (y_BKGPW.reshape(B, K, G, P, P, E) * jnp.eye(P)[:, :, None]).sum((3, 4))
         else:
             y_BKGE = jnp.einsum("bkgs,bkse->bkge", probs_BKGS.astype(v_BKSE.dtype), v_BKSE,
                                 preferred_element_type=jnp.float32)
@@ -381,19 +393,54 @@ class AttentionConfig:
 #     einsums (a TPU's matrix unit).
 #   rows: attend_blocks' rows at a time: "all", or "device", one per device of the mesh's
 #     "batch" axis (so a block's scores stay in a CPU's cache).
+#   lanes: the KV cache's rows (GPT.cache_lanes, slots_per_row): 0, one slot a row; 128, as
+#     many slots side by side as fill a TPU's 128 lanes (a row of 64 would make the TPU tile
+#     the cache across its slots, and each step's write touch a tile of 128 slots).
 BACKEND_ATTENTION = {
-    "cpu": dict(half="xla", full="xla", step="sums", rows="device"),
-    "gpu": dict(half="cudnn", full="xla", step="sums", rows="all"),
-    "tpu": dict(half="splash", full="xla", step="dots", rows="all"),
+    "cpu": dict(half="xla", full="xla", step="sums", rows="device", lanes=0),
+    "gpu": dict(half="cudnn", full="xla", step="sums", rows="all", lanes=0),
+    "tpu": dict(half="splash", full="xla", step="dots", rows="all", lanes=128),
 }
-OTHER_BACKEND = dict(half="xla", full="xla", step="sums", rows="all")
+OTHER_BACKEND = dict(half="xla", full="xla", step="sums", rows="all", lanes=0)
 ATTENTIONS = ("fast", "reference", "xla", "cudnn", "splash")  # GPT.attention ("reference": attend_reference)
 STEP_ATTENTIONS = ("fast", "sums", "dots")  # GPT.step_attention
 
 
-def backend_choice(kind: str, choice: str = "fast") -> str:
-    """`choice`, or for "fast" this backend's BACKEND_ATTENTION[kind]."""
-    return BACKEND_ATTENTION.get(jax.default_backend(), OTHER_BACKEND)[kind] if choice == "fast" else choice
+def backend_choice(kind: str, choice: Any = "fast") -> Any:
+    """`choice`, or for "fast" (or None) this backend's BACKEND_ATTENTION[kind]."""
+    return BACKEND_ATTENTION.get(jax.default_backend(), OTHER_BACKEND)[kind] if choice in ("fast", None) else choice
+
+
+def slots_per_row(lanes: int, width: int, slots: int) -> int:
+    """How many of a cache's `slots` (each `width` values) init_cache puts side by side in
+    a row of `lanes` values (BACKEND_ATTENTION's lanes): 1 where they do not fit evenly."""
+    per_row = lanes // width if lanes > width and lanes % width == 0 else 1
+    return per_row if slots % per_row == 0 else 1
+
+
+def unpack_slots(x_RW: jax.Array, width: int) -> jax.Array:
+    """A cache's [..., S / P, P * width] rows (slots_per_row P) as [..., S, width] slots."""
+    return x_RW.reshape(*x_RW.shape[:-2], -1, width)
+
+
+def pack_slots(x_SE: jax.Array, width: int) -> jax.Array:
+    """[..., S, E] slots as rows `width` wide, P = width / E slots side by side."""
+    return x_SE.reshape(*x_SE.shape[:-2], -1, width)
+
+
+def write_slots(x_LBKRW: jax.Array, new_LBKTE: jax.Array, slot: jax.Array, fresh: bool) -> jax.Array:
+    """A cache's keys or values (rows of P slots) with new ones [L, B, K, T, E] at slots
+    slot .. slot + T: a step's into its row's lanes, an empty cache's (fresh: slot 0) as
+    whole rows, else through the slots' view."""
+    new, (T, E) = new_LBKTE.astype(x_LBKRW.dtype), new_LBKTE.shape[3:]
+    P = x_LBKRW.shape[-1] // E
+    if P == 1:
+        return jax.lax.dynamic_update_slice(x_LBKRW, new, (0, 0, 0, slot, 0))
+    if T == 1:
+        return jax.lax.dynamic_update_slice(x_LBKRW, new, (0, 0, 0, slot // P, slot % P * E))
+    if fresh and T % P == 0:
+        return jax.lax.dynamic_update_slice(x_LBKRW, pack_slots(new, P * E), (0, 0, 0, slot // P, 0))
+    return pack_slots(jax.lax.dynamic_update_slice(unpack_slots(x_LBKRW, E), new, (0, 0, 0, slot, 0)), P * E)
 
 
 def causal_kernel(choice: str, dtype: Any, T: int, masked: bool, softcap: Optional[float]) -> str:
@@ -523,7 +570,7 @@ class Layer(NamedTuple):
     """What differs from one layer to the next, scanned over with the layers' stacked
     parameters (GPT.decode): whether it is a local layer where local and global ones mix
     (None: all alike, see GPT.layer_kinds), its shared prefix's (k_KQE, v_KQE) and its
-    slots of the KV cache (k_BKSE, v_BKSE) as they were before this call (None without)."""
+    slots of the KV cache as they were before this call, in rows (KVCache; None without)."""
 
     local: Optional[jax.Array]
     prefix: Optional[Tuple[jax.Array, jax.Array]]
@@ -579,8 +626,8 @@ class Attention(Module):
         if step:
             k_BKSE, v_BKSE = layer.kv
         elif not own:  # the T new keys and values into a copy of the layer's slots
-            k_BKSE, v_BKSE = (jax.lax.dynamic_update_slice(x, new.astype(x.dtype), (0, 0, slot, 0))
-                              for x, new in zip(layer.kv, new_kv))
+            k_BKSE, v_BKSE = (jax.lax.dynamic_update_slice(unpack_slots(x, c.head_dim), new.astype(x.dtype),
+                                                           (0, 0, slot, 0)) for x, new in zip(layer.kv, new_kv))
         if c.reference:
             if own:
                 k_BKSE, v_BKSE = k_BTKE.transpose(0, 2, 1, 3), v_BTKE.transpose(0, 2, 1, 3)
@@ -797,8 +844,9 @@ class Block(Module):
 
 
 class KVCache(NamedTuple):
-    """The decoder's state: every layer's keys and values [L, B, K, S, E], which slots hold
-    real tokens [B, S], the slot the next token goes to; and prefix_keys, prefix_values
+    """The decoder's state: every layer's keys and values [L, B, K, S / P, P * E] (P slots
+    side by side in a row, slots_per_row: 1 but on a TPU; unpack_slots gives [L, B, K, S, E]),
+    which slots hold real tokens [B, S], the slot the next token goes to; and prefix_keys, prefix_values
     [L, K, Q, E] (or None): Q tokens before every row's slots (a batch's shared few-shot
     examples, fast.start_rollout), held and read once for the batch, not once per row."""
 
@@ -885,6 +933,7 @@ class GPT(Module):
     attention: str = "fast"  # the backend's (BACKEND_ATTENTION), "reference" (the simple path) or a kernel
     step_attention: str = "fast"  # a decoding step's grouped heads: the backend's, "sums" or "dots"
     query_block: int = 256  # queries per block of attend_causal's blocked path
+    cache_lanes: Optional[int] = None  # the KV cache's rows (slots_per_row); None: the backend's
 
     def __post_init__(self) -> None:
         # a native checkpoint's config.json gives rope_scaling back as a list; fields must hash
@@ -1057,8 +1106,7 @@ class GPT(Module):
             return x_BTD
         # every layer's new keys and values in one write, after the layers: inside the scan a
         # TPU would copy each layer's slots into another layout for every write
-        keys, values = (jax.lax.dynamic_update_slice(x, new.astype(x.dtype), (0, 0, 0, slot, 0))
-                        for x, new in zip((cache.keys, cache.values), new_kv))
+        keys, values = (write_slots(x, new, slot, fresh) for x, new in zip((cache.keys, cache.values), new_kv))
         return x_BTD, cache._replace(keys=keys, values=values, valid_BS=cache_valid_BS,
                                      slot=(slot + T) % cache_valid_BS.shape[1])
 
@@ -1146,14 +1194,17 @@ class GPT(Module):
         """An empty KV cache with `length` slots per sequence. prefix: a one-row cache of
         tokens every sequence begins with (extend into init_cache(1, Q)), held once before
         every row's slots (KVCache.prefix_keys)."""
-        zeros = lambda: jnp.zeros((self.n_layers, batch, self.kv_heads, length, self.head_width), self.adtype)
+        per_row = slots_per_row(backend_choice("lanes", self.cache_lanes), self.head_width, length)
+        zeros = lambda: jnp.zeros((self.n_layers, batch, self.kv_heads, length // per_row, per_row * self.head_width),
+                                  self.adtype)
         cache = KVCache(keys=zeros(), values=zeros(), valid_BS=jnp.zeros((batch, length), bool),
                         slot=jnp.zeros((), jnp.int32))
         if prefix is None:
             return cache
         if self.sliding_window is not None:
             raise ValueError("a shared prefix puts padding inside prompts, where a sliding window counts slots")
-        return cache._replace(prefix_keys=prefix.keys[:, 0], prefix_values=prefix.values[:, 0])
+        return cache._replace(prefix_keys=unpack_slots(prefix.keys[:, 0], self.head_width),
+                              prefix_values=unpack_slots(prefix.values[:, 0], self.head_width))
 
     def flops(self, seq: int) -> float:
         total = self.n_layers * self.blocks.flops(seq)  # the scanned block: one layer's
@@ -1169,7 +1220,7 @@ class GPT(Module):
 
 
 # GPT fields that change how, never what, it computes
-EXECUTION_FIELDS = ("attention", "step_attention", "query_block")
+EXECUTION_FIELDS = ("attention", "step_attention", "query_block", "cache_lanes")
 
 # What makes each HuggingFace family different, as GPT fields (the loader adds sizes).
 FAMILIES = {

@@ -337,20 +337,23 @@ def test_extend_after_a_shared_prefix_equals_full_forward(name):
     assert np.abs(np.stack(got, 1) - full[:, 5 + idx.shape[1] - 1:]).max() <= 1e-5
 
 
-@pytest.mark.parametrize("name", ["llama", "everything"])
-def test_a_refilled_row_decodes_as_its_prompt_alone(name):
+@pytest.mark.parametrize("name,per_row", [("llama", 1), ("llama", 2), ("everything", 1), ("everything", 4)])
+def test_a_refilled_row_decodes_as_its_prompt_alone(name, per_row):
     """fast.refill_rollout: a row given a new prompt in the middle of a rollout, its keys and
     values written into the ring of slots its old tokens held (its new tokens going on past
     the last slot round to the first), decodes the tokens its prompt gives alone
     (gpt.generate), and the other row goes on unchanged; with EVERYTHING's sliding window
-    (counted across the wrap), soft-caps and q/k norm too."""
+    (counted across the wrap), soft-caps and q/k norm too; the cache's slots one to a row
+    or per_row side by side (a TPU's, gpt.slots_per_row)."""
     model = tiny(**CONFIGS[name])
+    model = model.clone(cache_lanes=per_row * model.head_width if per_row > 1 else 0)
     variables = init(model)
     idx, mask = left_pad(ragged_prompts()[:2])
     new_idx, new_mask = tokens((1, idx.shape[1]), seed=7), np.arange(idx.shape[1])[None] >= 2
-    N = 2 * STEPS
+    N = 20 - idx.shape[1]  # slots: 20, in rows of 1, 2 or 4
     alone = lambda x, m: np.asarray(jax.jit(lambda v: gpt.generate(model, v, x, m, N))(variables))
     rollout = fast.start_rollout(model, variables, idx, mask, N)
+    assert rollout.cache.keys.shape[-1] == per_row * model.head_width
     rollout = fast.continue_rollout(model, variables, rollout, 3)
     rollout = fast.refill_rollout(model, variables, rollout, jnp.int32(0), new_idx, new_mask)
     rollout = fast.continue_rollout(model, variables, rollout, N)
@@ -1365,15 +1368,19 @@ def fuzz_settings(examples):
 @fuzz_settings(3)
 @hypothesis.given(name=st.sampled_from(sorted(CONFIGS)), lengths=st.lists(st.integers(1, 12), min_size=1, max_size=5),
                   prefix=st.integers(0, 6), fresh=st.booleans(), block=st.sampled_from([2, 256]),
-                  steps=st.integers(1, 4), seed=st.integers(0, 9), step=st.sampled_from(gpt.STEP_ATTENTIONS[1:]))
-def test_fast_attention_equals_the_reference_attention(name, lengths, prefix, fresh, block, steps, seed, step):
+                  steps=st.integers(1, 4), seed=st.integers(0, 9), step=st.sampled_from(gpt.STEP_ATTENTIONS[1:]),
+                  per_row=st.sampled_from([1, 2, 4]))
+def test_fast_attention_equals_the_reference_attention(name, lengths, prefix, fresh, block, steps, seed, step,
+                                                       per_row):
     """Every fast attention path gives the logits of attend_reference (GPT(attention=
     "reference")), within 1e-5 of the largest: unmasked rows (attend_causal, whole-square or
     in query blocks), masked left-padded rows (attend), a KV cache's prefill (fresh, or over
     the cache's slots), decoding steps (attend's one-query path), and a shared prefix held
     once (KVCache.prefix_keys), on every family's options; a step's grouped heads by sums or
-    dots (gpt.BACKEND_ATTENTION), its own key and value beside the cache's (attend's `own`)."""
+    dots (gpt.BACKEND_ATTENTION), its own key and value beside the cache's (attend's `own`);
+    the cache's slots one to a row or per_row side by side (a TPU's, gpt.slots_per_row)."""
     model = tiny(**CONFIGS[name], query_block=block, step_attention=step)
+    model = model.clone(cache_lanes=per_row * model.head_width if per_row > 1 else 0)
     prefix = 0 if model.sliding_window is not None else prefix  # a shared prefix counts no window
     variables = init(model, seed)
     rng = np.random.default_rng(seed)
@@ -1393,7 +1400,7 @@ def test_fast_attention_equals_the_reference_attention(name, lengths, prefix, fr
         held = None
         if prefix:
             _, held = extend(variables, shared, np.ones((1, prefix), bool), m.init_cache(1, prefix), True)
-        cache = m.init_cache(len(rows), idx.shape[1] + steps, held)
+        cache = m.init_cache(len(rows), -(-(idx.shape[1] + steps) // per_row) * per_row, held)
         step, cache = extend(variables, idx, mask, cache, fresh and not prefix)
         steps_BNV = [np.asarray(step)]
         for t in range(steps):
