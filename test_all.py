@@ -494,7 +494,7 @@ def test_each_backend_names_a_known_way_and_falls_back_where_it_cannot(monkeypat
     backend's (a TPU: splash in bfloat16, XLA's in float32); a fused kernel falls back to
     XLA's under a mask, cuDNN's with a soft-cap, splash's where T is no multiple of 128."""
     known = dict(half=gpt.ATTENTIONS[2:], full=gpt.ATTENTIONS[2:], step=gpt.STEP_ATTENTIONS[1:],
-                 rows=("all", "device"))
+                 rows=("all", "device"), lanes=(0, 128))
     for row in [*gpt.BACKEND_ATTENTION.values(), gpt.OTHER_BACKEND]:
         assert row.keys() == known.keys() and all(row[k] in known[k] for k in row), row
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
@@ -503,6 +503,11 @@ def test_each_backend_names_a_known_way_and_falls_back_where_it_cannot(monkeypat
     assert (kernel("fast"), kernel("fast", jnp.float32), gpt.backend_choice("step")) == ("splash", "xla", "dots")
     assert kernel("fast", masked=True) == kernel("splash", T=200) == kernel("cudnn", softcap=2.0) == "xla"
     assert kernel("splash", T=384, softcap=2.0) == "splash" and kernel("xla") == kernel("reference") == "xla"
+    # a TPU's cache rows: as many slots as fill 128 lanes, where they divide both evenly
+    per_row = lambda width, slots, lanes=gpt.backend_choice("lanes"): gpt.slots_per_row(lanes, width, slots)
+    assert (per_row(64, 256), per_row(32, 256), per_row(128, 256), per_row(64, 255), per_row(48, 256)) == (2, 4, 1, 1, 1)
+    assert per_row(64, 256, lanes=0) == 1 and tiny().clone(cache_lanes=0).init_cache(1, 16).keys.shape[-2:] == (16, 8)
+    assert tiny().init_cache(1, 16).keys.shape[-2:] == (1, 128) and tiny().init_cache(1, 8).keys.shape[-2:] == (8, 8)
 
 
 def test_fused_attention_falls_back_where_cudnn_is_absent(monkeypatch):
