@@ -286,7 +286,7 @@ def attend(q_BTHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allowed_BTS:
     if k_BKSE.shape[-1] != E and (T > 1 or sums):  # rows of P slots (slots_per_row): a step by dots reads them so
         k_BKSE, v_BKSE = unpack_slots(k_BKSE, E), unpack_slots(v_BKSE, E)
     P = k_BKSE.shape[-1] // E
-    S = k_BKSE.shape[2] * P
+    S, eye_P = k_BKSE.shape[2] * P, jnp.eye(P, dtype=q_BTHE.dtype).reshape(1, 1, 1, P, P)
     if prefix is not None and T > 1:
         k_BKSE, v_BKSE = (jnp.concatenate([jnp.broadcast_to(p_KQE.astype(x.dtype), (B, *p_KQE.shape)), x], 2)
                           for p_KQE, x in zip(prefix, (k_BKSE, v_BKSE)))
@@ -299,7 +299,7 @@ def attend(q_BTHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allowed_BTS:
         if sums:
             return (q_BKGTE.astype(jnp.float32) * k_BKSE[:, :, None].astype(jnp.float32)).sum(-1)[:, :, :, None]
         if k_BKSE.shape[-1] != E:  # the query in each of a row's P slots' lanes, the rest zeros: [B, K, G, S/P, P]
-            q_BKGPW = (jnp.eye(P, dtype=q_BKGTE.dtype)[:, :, None] * q_BKGTE[:, :, :, :, None]).reshape(B, K, G, P, -1)
+            q_BKGPW = (eye_P[..., None] * q_BKGTE[:, :, :, :, None]).reshape(B, K, G, P, -1)
             scores = jnp.einsum("bkgpw,bkrw->bkgrp", q_BKGPW, k_BKSE, preferred_element_type=jnp.float32)
             return scores.reshape(B, K, G, 1, S)
         return jnp.einsum("bkgte,bkse->bkgts", q_BKGTE, k_BKSE, preferred_element_type=jnp.float32)
@@ -325,7 +325,7 @@ def attend(q_BTHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allowed_BTS:
         elif P > 1:  # each of a row's P slots weighs the whole row, then takes its own lanes
             y_BKGPW = jnp.einsum("bkgrp,bkrw->bkgpw", probs_BKGS.reshape(B, K, G, S // P, P).astype(v_BKSE.dtype),
                                  v_BKSE, preferred_element_type=jnp.float32)
-            y_BKGE = (y_BKGPW.reshape(B, K, G, P, P, E) * jnp.eye(P)[:, :, None]).sum((3, 4))
+            y_BKGE = (y_BKGPW.reshape(B, K, G, P, P, E) * eye_P[..., None]).sum((3, 4))
         else:
             y_BKGE = jnp.einsum("bkgs,bkse->bkge", probs_BKGS.astype(v_BKSE.dtype), v_BKSE,
                                 preferred_element_type=jnp.float32)

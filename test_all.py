@@ -337,26 +337,30 @@ def test_extend_after_a_shared_prefix_equals_full_forward(name):
     assert np.abs(np.stack(got, 1) - full[:, 5 + idx.shape[1] - 1:]).max() <= 1e-5
 
 
-@pytest.mark.parametrize("name,per_row", [("llama", 1), ("llama", 2), ("everything", 1), ("everything", 4)])
-def test_a_refilled_row_decodes_as_its_prompt_alone(name, per_row):
+@pytest.mark.parametrize("name,per_row,mesh", [("llama", 1, (1, 1)), ("llama", 2, (2, 4)), ("everything", 1, (1, 1)),
+                                               ("everything", 4, (1, 1))])
+def test_a_refilled_row_decodes_as_its_prompt_alone(name, per_row, mesh):
     """fast.refill_rollout: a row given a new prompt in the middle of a rollout, its keys and
     values written into the ring of slots its old tokens held (its new tokens going on past
     the last slot round to the first), decodes the tokens its prompt gives alone
     (gpt.generate), and the other row goes on unchanged; with EVERYTHING's sliding window
     (counted across the wrap), soft-caps and q/k norm too; the cache's slots one to a row
-    or per_row side by side (a TPU's, gpt.slots_per_row)."""
+    or per_row side by side (a TPU's, gpt.slots_per_row, read by dots), on one device or a mesh of 8."""
     model = tiny(**CONFIGS[name])
-    model = model.clone(cache_lanes=per_row * model.head_width if per_row > 1 else 0)
-    variables = init(model)
+    if per_row > 1:  # as a TPU: the cache's rows read as they are by a step's dots
+        model = model.clone(cache_lanes=per_row * model.head_width, step_attention="dots")
+    mesh = mesh_of(*mesh)
+    variables = gpt.place_params(model, mesh, init(model))
     idx, mask = left_pad(ragged_prompts()[:2])
     new_idx, new_mask = tokens((1, idx.shape[1]), seed=7), np.arange(idx.shape[1])[None] >= 2
     N = 20 - idx.shape[1]  # slots: 20, in rows of 1, 2 or 4
     alone = lambda x, m: np.asarray(jax.jit(lambda v: gpt.generate(model, v, x, m, N))(variables))
-    rollout = fast.start_rollout(model, variables, idx, mask, N)
-    assert rollout.cache.keys.shape[-1] == per_row * model.head_width
-    rollout = fast.continue_rollout(model, variables, rollout, 3)
-    rollout = fast.refill_rollout(model, variables, rollout, jnp.int32(0), new_idx, new_mask)
-    rollout = fast.continue_rollout(model, variables, rollout, N)
+    with jax.set_mesh(mesh):
+        rollout = fast.start_rollout(model, variables, idx, mask, N)
+        assert rollout.cache.keys.shape[-1] == per_row * model.head_width
+        rollout = fast.continue_rollout(model, variables, rollout, 3)
+        rollout = fast.refill_rollout(model, variables, rollout, jnp.int32(0), new_idx, new_mask)
+        rollout = fast.continue_rollout(model, variables, rollout, N)
     out = np.asarray(rollout.out_BN)
     np.testing.assert_array_equal(out[0], alone(new_idx, new_mask)[0])
     np.testing.assert_array_equal(out[1], alone(idx, mask)[1])
@@ -1375,6 +1379,10 @@ def fuzz_settings(examples):
                   prefix=st.integers(0, 6), fresh=st.booleans(), block=st.sampled_from([2, 256]),
                   steps=st.integers(1, 4), seed=st.integers(0, 9), step=st.sampled_from(gpt.STEP_ATTENTIONS[1:]),
                   per_row=st.sampled_from([1, 2, 4]))
+@hypothesis.example(name="everything", lengths=[1], prefix=0, fresh=False, block=2, steps=1, seed=0, step="dots",
+                    per_row=2)
+@hypothesis.example(name="llama", lengths=[5, 2], prefix=3, fresh=True, block=256, steps=3, seed=1, step="dots",
+                    per_row=4)
 def test_fast_attention_equals_the_reference_attention(name, lengths, prefix, fresh, block, steps, seed, step,
                                                        per_row):
     """Every fast attention path gives the logits of attend_reference (GPT(attention=
