@@ -4073,6 +4073,7 @@ def test_bench_gpu_report_dry_run(tmp_path):
     assert p["max_rel"] == 0 and p["log_likelihoods"] == 24 + 4 * 32
     assert p["generations"] == [16, 16] and p["choices"] == [32, 32] and p["next_tokens"] == [16, 16]
     m = r["tiny"]
+    assert m["device"] == jax.devices()[0].device_kind and m["attention"]["lanes"] == 0
     assert m["scoring"]["project"]["rel_diff"] < 1e-4 and m["scoring"]["forward"]["rel_diff"] < 1e-4
     [d] = m["decoding"]
     assert d["rows"] == 2 and d["simple_same_tokens"] and d["same_as_transformers"] == 1.0
