@@ -265,8 +265,9 @@ def attend(q_BTHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allowed_BTS:
            prefix: Optional[Tuple[jax.Array, jax.Array]] = None, step: str = "fast",
            own: Optional[Tuple[jax.Array, jax.Array, jax.Array]] = None) -> jax.Array:
     """attend_reference, fast. Keys and values come head-major, [B, K, S, E], the KV cache's
-    own layout, so both einsums are batched over (B, K) and XLA copies nothing of the cache.
-    A decoding step (one query per row) with grouped heads takes `step`'s way
+    own layout, so both einsums are batched over (B, K) and XLA copies nothing of the cache;
+    or in the cache's rows of P slots [B, K, S / P, P * E] (slots_per_row), which a step by
+    dots reads as they are and anything else as slots. A decoding step (one query per row) with grouped heads takes `step`'s way
     (STEP_ATTENTIONS): "sums", a multiply and a sum for each product, or "dots"; GPT-2's one
     head per key head keeps the matmuls. Scores and softmax are float32; fully masked rows
     (left padding) come out finite and are never read by real tokens.
