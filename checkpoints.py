@@ -527,8 +527,9 @@ def save_checkpoint(directory: str, model: gpt.GPT, variables: Any, tokenizer: D
     A run stopped midway (Ctrl-C, SIGTERM: they wait for the renames) leaves the previous
     complete checkpoint (or none) or the new one, never half a file nor the new weights
     beside the old config.json; other files in the directory (a training log) stay. SIGKILL
-    cannot wait: the save's name (save_name) in both files tells a pair of two saves, which
-    load_checkpoint refuses.
+    cannot wait: the save's name (save_name) in both files tells a pair of two saves, and
+    the weights carry their own config.json in their metadata, so load_checkpoint takes the
+    newer save whole (one_save).
     """
     weights = to_host(variables)  # every process takes part in the gather
     if jax.process_index() != 0:
@@ -538,7 +539,7 @@ def save_checkpoint(directory: str, model: gpt.GPT, variables: Any, tokenizer: D
               "tokenizer": {k: v for k, v in tokenizer.items() if k != "source"}, **(extra or {}), "save": stamp}
     # a HuggingFace tokenizer travels with its model; config.json, last, says which step the files are
     files = {name: (Path(tokenizer["source"]) / name).read_bytes() for name in tokenizer.get("files", [])}
-    files.update({"model.safetensors": save(weights, metadata={"save": stamp}),
+    files.update({"model.safetensors": save(weights, metadata={"save": stamp, "config": json.dumps(config)}),
                   "config.json": (json.dumps(config, indent=2) + "\n").encode()})
     write_together(path, files)
 
@@ -555,21 +556,30 @@ def save_name(weights: Dict[str, np.ndarray], step: Any) -> str:
     return (f"step {step}, " if step is not None else "") + f"weights {digest.hexdigest()[:16]}"
 
 
-def check_one_save(path: Path, config: Dict[str, Any]) -> None:
-    """config.json and model.safetensors of one save (save_checkpoint names it in both), or
-    refused: SIGKILL between their renames leaves a save's weights beside the previous
-    config.json. Files that name no save (written elsewhere, or before saves were named) are
-    taken as they are."""
+def one_save(path: Path, config: Dict[str, Any]) -> Dict[str, Any]:
+    """The config of one save's config.json and model.safetensors (save_checkpoint names it in
+    both): SIGKILL between their renames leaves a save's weights beside the previous
+    config.json, and then the weights' own copy of their config is the checkpoint's (refused
+    where they carry none). Files that name no save (written elsewhere, or before saves were
+    named) are taken as they are."""
     weights = path / "model.safetensors"
     if config.get("save") is None or not weights.is_file():
-        return
+        return config
     try:
         with safe_open(str(weights), framework="numpy") as f:
-            saved = (f.metadata() or {}).get("save")
+            metadata = f.metadata() or {}
     except (SafetensorError, OSError) as e:
         raise UsageError(f"{weights} is not a readable safetensors file ({first_line(e)})") from None
-    if saved is not None and saved != config["save"]:
-        raise UsageError(f"{path}: config.json is of the save {short(config['save'])}, model.safetensors of "
+    saved = metadata.get("save")
+    if saved is None or saved == config["save"]:
+        return config
+    try:
+        own = json.loads(metadata.get("config", ""))
+    except ValueError:
+        own = None
+    if isinstance(own, dict) and own.get("save") == saved:
+        return own
+    raise UsageError(f"{path}: config.json is of the save {short(config['save'])}, model.safetensors of "
                          f"{short(saved)}: a run was stopped between their renames; save it again or take "
                          "another checkpoint")
 
@@ -577,7 +587,7 @@ def check_one_save(path: Path, config: Dict[str, Any]) -> None:
 def load_checkpoint(directory: str, mesh: jax.sharding.Mesh, dtype: Optional[str] = None):
     """(model, variables placed in their mesh shardings, config) from a native checkpoint."""
     path = Path(directory)
-    config = read_config(path)
+    config = one_save(path, read_config(path))
     if config.get("format") != NATIVE_FORMAT:
         raise UsageError(f"{path}/config.json is not a native checkpoint (format {NATIVE_FORMAT})")
     if "model" not in config:
@@ -587,7 +597,6 @@ def load_checkpoint(directory: str, mesh: jax.sharding.Mesh, dtype: Optional[str
         fields = {**fields, "param_dtype": dtype, "activation_dtype": dtype}
     model = check_model_fields(fields, f"{path}/config.json", mesh)
     tensors = TensorFiles(str(path), model.param_dtype)
-    check_one_save(path, config)
     check_layer_count(model, tensors)
     stored = {name: native_tensor(tensors, name, shape) for name, shape in param_shapes(model).items()}
     if tensors.unused():

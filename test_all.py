@@ -4676,10 +4676,11 @@ class Killed(Exception):
     """Where a test stops a save, as SIGKILL would."""
 
 
-def test_a_checkpoint_of_two_saves_is_refused(tmp_path, monkeypatch):
+def test_a_checkpoint_killed_between_its_renames_loads_the_newer_save(tmp_path, monkeypatch):
     """SIGKILL between a save's renames (model.safetensors, then config.json) leaves step 20's
-    weights beside step 10's config.json, which loaded as one checkpoint: refused in one line
-    naming both saves. Saved again whole, it loads; files that name no save load as before."""
+    weights beside step 10's config.json: the weights' own copy of their config makes the
+    checkpoint step 20's, whole. Weights of another save without one are refused in one
+    line naming both saves; files that name no save load as before."""
     path, model, mesh = tmp_path / "ck", gpt.GPT(**SMALL), mesh_of()
     variables = gpt.init_params(model, mesh, seed=0)
     save = lambda step: checkpoints.save_checkpoint(str(path), model, jax.tree.map(lambda x: x * step, variables),
@@ -4696,7 +4697,13 @@ def test_a_checkpoint_of_two_saves_is_refused(tmp_path, monkeypatch):
         save(20)
     monkeypatch.setattr(os, "replace", replace)
     assert json.loads((path / "config.json").read_text())["step"] == 10
-    with pytest.raises(UsageError) as refused:
+    _, loaded, config = checkpoints.load_checkpoint(str(path), mesh)
+    assert config["step"] == 20
+    jax.tree.map(lambda got, want: np.testing.assert_array_equal(np.asarray(got), np.asarray(want * 20)),
+                 loaded, variables)
+    weights = load_file(str(path / "model.safetensors"))
+    save_file(weights, str(path / "model.safetensors"), metadata={"save": config["save"]})
+    with pytest.raises(UsageError) as refused:  # weights of another save, without their config
         checkpoints.load_checkpoint(str(path), mesh)
     assert re.fullmatch(rf"{path}: config.json is of the save 'step 10, weights \w{{16}}', model.safetensors of "
                         rf"'step 20, weights \w{{16}}': a run was stopped between their renames; save it again or "
