@@ -580,8 +580,8 @@ def one_save(path: Path, config: Dict[str, Any]) -> Dict[str, Any]:
     if isinstance(own, dict) and own.get("save") == saved:
         return own
     raise UsageError(f"{path}: config.json is of the save {short(config['save'])}, model.safetensors of "
-                         f"{short(saved)}: a run was stopped between their renames; save it again or take "
-                         "another checkpoint")
+                     f"{short(saved)}: a run was stopped between their renames; save it again or take "
+                     "another checkpoint")
 
 
 def load_checkpoint(directory: str, mesh: jax.sharding.Mesh, dtype: Optional[str] = None):

@@ -267,10 +267,11 @@ def attend(q_BTHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allowed_BTS:
     """attend_reference, fast. Keys and values come head-major, [B, K, S, E], the KV cache's
     own layout, so both einsums are batched over (B, K) and XLA copies nothing of the cache;
     or in the cache's rows of P slots [B, K, S / P, P * E] (slots_per_row), which a step by
-    dots reads as they are and anything else as slots. A decoding step (one query per row) with grouped heads takes `step`'s way
-    (STEP_ATTENTIONS): "sums", a multiply and a sum for each product, or "dots"; GPT-2's one
-    head per key head keeps the matmuls. Scores and softmax are float32; fully masked rows
-    (left padding) come out finite and are never read by real tokens.
+    dots reads as they are and anything else as slots. A decoding step (one query per row)
+    with grouped heads takes `step`'s way (STEP_ATTENTIONS): "sums", a multiply and a sum for
+    each product, or "dots"; GPT-2's one head per key head keeps the matmuls. Scores and
+    softmax are float32; fully masked rows (left padding) come out finite and are never read
+    by real tokens.
 
     prefix (k_KQE, v_KQE): Q keys and values every query sees before its row's S (a batch's
     shared few-shot examples, KVCache.prefix_keys): at a decoding step one matmul over all
@@ -847,8 +848,8 @@ class Block(Module):
 class KVCache(NamedTuple):
     """The decoder's state: every layer's keys and values [L, B, K, S / P, P * E] (P slots
     side by side in a row, slots_per_row: 1 but on a TPU; unpack_slots gives [L, B, K, S, E]),
-    which slots hold real tokens [B, S], the slot the next token goes to; and prefix_keys, prefix_values
-    [L, K, Q, E] (or None): Q tokens before every row's slots (a batch's shared few-shot
+    which slots hold real tokens [B, S], the slot the next token goes to; and prefix_keys,
+    prefix_values [L, K, Q, E] (or None): Q tokens before every row's slots (a batch's shared few-shot
     examples, fast.start_rollout), held and read once for the batch, not once per row."""
 
     keys: jax.Array

@@ -509,7 +509,8 @@ def test_each_backend_names_a_known_way_and_falls_back_where_it_cannot(monkeypat
     assert kernel("splash", T=384, softcap=2.0) == "splash" and kernel("xla") == kernel("reference") == "xla"
     # a TPU's cache rows: as many slots as fill 128 lanes, where they divide both evenly
     per_row = lambda width, slots, lanes=gpt.backend_choice("lanes"): gpt.slots_per_row(lanes, width, slots)
-    assert (per_row(64, 256), per_row(32, 256), per_row(128, 256), per_row(64, 255), per_row(48, 256)) == (2, 4, 1, 1, 1)
+    assert [per_row(64, 256), per_row(32, 256), per_row(128, 256), per_row(64, 255), per_row(48, 256)] == \
+        [2, 4, 1, 1, 1]
     assert per_row(64, 256, lanes=0) == 1 and tiny().clone(cache_lanes=0).init_cache(1, 16).keys.shape[-2:] == (16, 8)
     assert tiny().init_cache(1, 16).keys.shape[-2:] == (1, 128) and tiny().init_cache(1, 8).keys.shape[-2:] == (8, 8)
 
