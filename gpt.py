@@ -398,12 +398,15 @@ class AttentionConfig:
 #   lanes: the KV cache's rows (GPT.cache_lanes, slots_per_row): 0, one slot a row; 128, as
 #     many slots side by side as fill a TPU's 128 lanes (a row of 64 would make the TPU tile
 #     the cache across its slots, and each step's write touch a tile of 128 slots).
+#   tile: whether a decoding step writes the whole tile of the cache around its slot
+#     (write_tile), where a TPU would write the one row piece by piece.
 BACKEND_ATTENTION = {
-    "cpu": dict(half="xla", full="xla", step="sums", rows="device", lanes=0),
-    "gpu": dict(half="cudnn", full="xla", step="sums", rows="all", lanes=0),
-    "tpu": dict(half="splash", full="xla", step="dots", rows="all", lanes=128),
+    "cpu": dict(half="xla", full="xla", step="sums", rows="device", lanes=0, tile=False),
+    "gpu": dict(half="cudnn", full="xla", step="sums", rows="all", lanes=0, tile=False),
+    "tpu": dict(half="splash", full="xla", step="dots", rows="all", lanes=128, tile=True),
 }
-OTHER_BACKEND = dict(half="xla", full="xla", step="sums", rows="all", lanes=0)
+OTHER_BACKEND = dict(half="xla", full="xla", step="sums", rows="all", lanes=0, tile=False)
+TILE_BYTES = 32  # a TPU tile's rows times their values' bytes: 8 rows of float32, 16 of bfloat16
 ATTENTIONS = ("fast", "reference", "xla", "cudnn", "splash")  # GPT.attention ("reference": attend_reference)
 STEP_ATTENTIONS = ("fast", "sums", "dots")  # GPT.step_attention
 
@@ -432,10 +435,13 @@ def pack_slots(x_SE: jax.Array, width: int) -> jax.Array:
 
 def write_slots(x_LBKRW: jax.Array, new_LBKTE: jax.Array, slot: jax.Array, fresh: bool) -> jax.Array:
     """A cache's keys or values (rows of P slots) with new ones [L, B, K, T, E] at slots
-    slot .. slot + T: a step's into its row's lanes, an empty cache's (fresh: slot 0) as
-    whole rows, else through the slots' view."""
+    slot .. slot + T: a step's into its row's lanes (by whole tiles where the backend's
+    `tile` says so), an empty cache's (fresh: slot 0) as whole rows, else through the
+    slots' view."""
     new, (T, E) = new_LBKTE.astype(x_LBKRW.dtype), new_LBKTE.shape[3:]
-    P = x_LBKRW.shape[-1] // E
+    P, H = x_LBKRW.shape[-1] // E, TILE_BYTES // x_LBKRW.dtype.itemsize
+    if T == 1 and P > 1 and backend_choice("tile") and x_LBKRW.shape[-2] % H == 0:
+        return write_tile(x_LBKRW, new, slot, H)
     if P == 1:
         return jax.lax.dynamic_update_slice(x_LBKRW, new, (0, 0, 0, slot, 0))
     if T == 1:
@@ -443,6 +449,19 @@ def write_slots(x_LBKRW: jax.Array, new_LBKTE: jax.Array, slot: jax.Array, fresh
     if fresh and T % P == 0:
         return jax.lax.dynamic_update_slice(x_LBKRW, pack_slots(new, P * E), (0, 0, 0, slot // P, 0))
     return pack_slots(jax.lax.dynamic_update_slice(unpack_slots(x_LBKRW, E), new, (0, 0, 0, slot, 0)), P * E)
+
+
+def write_tile(x_LBKRW: jax.Array, new_LBK1E: jax.Array, slot: jax.Array, H: int) -> jax.Array:
+    """write_slots of one step, through the H rows around its slot read and written whole:
+    a TPU writes a tile's single row piece by piece, one piece for each layer, row and head."""
+    E = new_LBK1E.shape[-1]
+    P = x_LBKRW.shape[-1] // E
+    row = slot // P
+    first = row // H * H
+    tile = jax.lax.dynamic_slice_in_dim(x_LBKRW, first, H, 3)
+    mine_HW = (jnp.arange(H)[:, None] == row - first) & (jnp.arange(P * E)[None] // E == slot % P)
+    tile = jnp.where(mine_HW, jnp.tile(new_LBK1E, (1, 1, 1, 1, P)), tile)
+    return jax.lax.dynamic_update_slice_in_dim(x_LBKRW, tile, first, 3)
 
 
 def causal_kernel(choice: str, dtype: Any, T: int, masked: bool, softcap: Optional[float]) -> str:
