@@ -951,15 +951,19 @@ class InferenceJob:
         for kept rows, which are whole prompts), the cache slots a prompt takes (the longest
         prompt's: every later one fits), the rows, and the prompts left-padded after the
         prefix; each checked to fit, and the whole to fit in memory. With lengths_per_octave 1
-        (an accelerator's fewest programs) a rollout has batch_size rows and takes an earlier
-        rollout's slots where they are at most twice its own: that rollout's programs."""
+        (an accelerator's fewest programs) a rollout has batch_size rows, its prompt slots a
+        power of two or its cache's slots one (prompt and n_new, whichever is fewer: a step
+        reads them all), and takes an earlier rollout's slots where its cache is at most twice
+        as long: that rollout's programs."""
         prompts = [r.prompt[-room:] for r in queue]
         prefix = [] if keep_rows else self.shared_prefix(prompts)
         length = padded_length(len(prompts[0]), room, self.lengths_per_octave)
         rows = min(self.batch_size, -(-len(queue) // self.dp) * self.dp)
         if self.lengths_per_octave == 1:  # the fewest programs: an earlier rollout's, where its slots fit
             rows = self.batch_size
-            length = min([n for n in self.rollout_lengths if length <= n <= min(2 * length, room)], default=length)
+            length = min(length, padded_length(len(prompts[0]) + n_new, room + n_new, 1) - n_new)
+            length = min([n for n in self.rollout_lengths if length <= n <= min(2 * length + n_new, room)],
+                         default=length)
             self.rollout_lengths.add(length)
         for r, p in zip(queue, prompts):  # each prompt, a first row's or a refill's, fits its row's cache slots
             fast.check_plan(len(p) <= length and p[:len(prefix)] == prefix, r.doc, f"a prompt of {len(p)} tokens in "

@@ -1415,8 +1415,10 @@ def test_fast_attention_equals_the_reference_attention(name, lengths, prefix, fr
         held = None
         if prefix:
             _, held = extend(variables, shared, np.ones((1, prefix), bool), m.init_cache(1, prefix), True)
-        per_tile = per_row * (gpt.TILE_BYTES // 4 if tile else 1)  # a tile's rows of float32 slots
-        cache = m.init_cache(len(rows), -(-(idx.shape[1] + steps) // per_tile) * per_tile, held)
+        slots = lambda per: -(-(idx.shape[1] + steps) // per) * per
+        longest = m.rope_scaling[1] if m.rope_scaling and m.rope_scaling[0] == "longrope" else m.block_size
+        per_tile = per_row * gpt.TILE_BYTES // 4  # a tile's rows of float32 slots, where the model takes them
+        cache = m.init_cache(len(rows), slots(per_tile if tile and slots(per_tile) <= longest else per_row), held)
         step, cache = extend(variables, idx, mask, cache, fresh and not prefix)
         steps_BNV = [np.asarray(step)]
         with mock.patch.dict(gpt.BACKEND_ATTENTION[jax.default_backend()], tile=tile and m is model):
@@ -1758,6 +1760,21 @@ def test_an_accelerators_shapes_build_fewer_programs_with_the_same_answers():
     assert answers["accelerator"][1] == answers["cpu"][1]
     assert programs["accelerator"] == {"_score_block": 2, "start": 1, "advance": 1}
     assert programs["cpu"] == {"_score_block": 3, "start": 3, "advance": 3}
+
+
+def test_an_accelerators_rollout_takes_the_fewer_cache_slots():
+    """On an accelerator a rollout's prompt slots are a power of two, or its whole cache's
+    slots are (prompt and new tokens, which a step reads all of), whichever are fewer; a
+    later rollout takes an earlier one's slots where that cache is at most twice its own."""
+    model = gpt.GPT(n_layers=1, n_embd=32, n_head=2, block_size=1024, vocab_size=320)
+    variables = init(model)
+    new_job = lambda: inference.InferenceJob(model, variables, Pieces(0), mesh_of(), batch_size=4, quiet=True,
+                                             **inference.ACCELERATOR_SHAPES)
+    plan = lambda job, n, n_new: job.plan_rollout([inference.GenerationRequest(0, [1 + i % 7 for i in range(n)], ())],
+                                                  1024 - n_new, n_new, True).length
+    assert [plan(new_job(), *p) for p in [(192, 64), (200, 64), (100, 28), (40, 300)]] == [192, 256, 100, 64]
+    job = new_job()
+    assert [plan(job, 100, 28), plan(job, 33, 28), plan(job, 20, 28)] == [100, 100, 32]  # 128 slots: 2 x (36 + 28)
 
 
 # the same properties through the command line: random --data files of the four kinds, and
