@@ -40,8 +40,9 @@ from huggingface_hub import constants as hub_constants
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError, IncompleteSnapshotError, LocalEntryNotFoundError
 from safetensors.numpy import save_file
 
-os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # its import-time "PyTorch was not found"
-import transformers  # noqa: E402  (torch is never needed, and the first line on stderr is ours)
+# transformers is imported where it is used: half a second of every run that reads no
+# HuggingFace file; torch is never needed, and its import-time "PyTorch was not found" is off
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 import gpt
 from checkpoints import (Node, TensorFiles, check_model_fields, concatenated, flatten, load_native, param_shapes,
@@ -165,6 +166,7 @@ def read_hf_config(path: str) -> Any:
     if raw.get("model_type") not in SUPPORTED:
         raise UsageError(f"{config_file}: model_type {raw.get('model_type')!r} is not supported; "
                          f"supported: {', '.join(SUPPORTED)}")
+    import transformers
     try:
         config = transformers.AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except Exception as e:  # transformers raises many kinds; the user needs one line
@@ -650,6 +652,7 @@ def gpt2_tensors(model: gpt.GPT, params: Dict[str, Any]) -> Dict[str, np.ndarray
 
 def save_hf_tokenizer(tokenizer_dir: str, path: str, vocab_size: int) -> Any:
     """Copy a tokenizer next to an exported model; returns transformers' tokenizer object."""
+    import transformers
     tokenizer = transformers.AutoTokenizer.from_pretrained(os.fspath(tokenizer_dir), local_files_only=True,
                                                            trust_remote_code=False)
     if len(tokenizer) > vocab_size:
@@ -680,6 +683,7 @@ def export_gpt2(model: gpt.GPT, variables: Any, path: str, tokenizer_dir: Option
     tokenizer = save_hf_tokenizer(tokenizer_dir, path, model.vocab_size) if tokenizer_dir else None
     eos = tokenizer.eos_token_id if tokenizer is not None else None
     bos = tokenizer.bos_token_id if tokenizer is not None else None
+    import transformers
     transformers.GPT2Config(
         vocab_size=model.vocab_size, n_positions=model.block_size, n_embd=model.n_embd,
         n_layer=model.n_layers, n_head=model.n_head, n_inner=model.mlp_width,

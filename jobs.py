@@ -38,8 +38,9 @@ from typing import Any, BinaryIO, Callable, Dict, Iterator, List, Optional, Tupl
 
 import jax
 
-os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # its import-time "PyTorch was not found"
-import transformers  # noqa: E402  (torch is never needed, and the first line on stderr is ours)
+# transformers is imported where it is used (a tokenizer's files): half a second of every
+# run that reads none; its import-time "PyTorch was not found" is off (torch is never needed)
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 import gpt
 
@@ -538,6 +539,7 @@ class HFTokenizer:
     def __init__(self, directory: str):
         if not set(tokenizer_files(directory)) & set(VOCABULARY_FILES):
             raise UsageError(f"{directory}: no tokenizer files (one of {', '.join(VOCABULARY_FILES)})")
+        import transformers
         try:
             self.tok = transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True,
                                                                   trust_remote_code=False)
@@ -760,7 +762,9 @@ def exit_status(command: Callable[[], None]) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     if handlers[signal.SIGINT] is signal.default_int_handler:  # not where SIGINT is ignored (cmd &)
         signal.signal(signal.SIGINT, on_signal)
-    transformers.logging.set_verbosity_error()
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # read when transformers is imported
+    if "transformers" in sys.modules:  # imported already: the first line on stderr stays ours
+        sys.modules["transformers"].logging.set_verbosity_error()
     try:
         command()
     except UsageError as e:
