@@ -2057,9 +2057,10 @@ def test_readme_python_example_runs_as_shown(capsys):
 def test_imports_flow_one_way_and_sit_at_the_top():
     """gpt.py <- fast.py, jobs.py <- inference.py, checkpoints.py <- hf.py, runs.py <- tasks.py <-
     evaluate.py <- train.py, bench.py: each file imports only files before it, and only at
-    module level (no import inside a function); fast.py and jobs.py do not import each other,
-    nor inference.py and checkpoints.py, nor hf.py and runs.py; not even a type-only import
-    names a later file. Every file is in the README's table."""
+    module level (no import inside a function, but for transformers, imported where a
+    HuggingFace file is read: half a second of every other process); fast.py and jobs.py do
+    not import each other, nor inference.py and checkpoints.py, nor hf.py and runs.py; not
+    even a type-only import names a later file. Every file is in the README's table."""
     table = re.findall(r"^\| `(\w+)\.py` \|", (ROOT / "README.md").read_text(), re.M)
     assert sorted(table) == sorted([*PROJECT_FILES, "test_all"]) == sorted(p.stem for p in ROOT.glob("*.py"))
     for name, rank in PROJECT_FILES.items():
@@ -2067,7 +2068,7 @@ def test_imports_flow_one_way_and_sit_at_the_top():
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 inner = [ast.unparse(n) for n in ast.walk(node) if isinstance(n, (ast.Import, ast.ImportFrom))]
-                assert not inner, f"{name}.py: {node.name} imports {inner}"
+                assert set(inner) <= {"import transformers"}, f"{name}.py: {node.name} imports {inner}"
             modules = ([a.name for a in node.names] if isinstance(node, ast.Import) else
                        [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             for module in modules:
