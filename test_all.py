@@ -1765,7 +1765,8 @@ def test_an_accelerators_shapes_build_fewer_programs_with_the_same_answers():
 def test_an_accelerators_rollout_takes_the_fewer_cache_slots():
     """On an accelerator a rollout's prompt slots are a power of two, or its whole cache's
     slots are (prompt and new tokens, which a step reads all of), whichever are fewer; a
-    later rollout takes an earlier one's slots where that cache is at most twice its own."""
+    later rollout takes an earlier one's slots where that cache is at most twice its own.
+    Where a TPU packs slots into rows and writes whole tiles, a cache is whole tiles."""
     model = gpt.GPT(n_layers=1, n_embd=32, n_head=2, block_size=1024, vocab_size=320)
     variables = init(model)
     new_job = lambda: inference.InferenceJob(model, variables, Pieces(0), mesh_of(), batch_size=4, quiet=True,
@@ -1775,6 +1776,13 @@ def test_an_accelerators_rollout_takes_the_fewer_cache_slots():
     assert [plan(new_job(), *p) for p in [(192, 64), (200, 64), (100, 28), (40, 300)]] == [192, 256, 100, 64]
     job = new_job()
     assert [plan(job, 100, 28), plan(job, 33, 28), plan(job, 20, 28)] == [100, 100, 32]  # 128 slots: 2 x (36 + 28)
+    wide = gpt.GPT(n_layers=1, n_embd=128, n_head=2, block_size=1024, vocab_size=320)  # heads 64 wide
+    with mock.patch.dict(gpt.BACKEND_ATTENTION[jax.default_backend()], lanes=128, tile=True):
+        tiled = lambda: inference.InferenceJob(wide, init(wide), Pieces(0), mesh_of(), batch_size=4, quiet=True,
+                                               **inference.ACCELERATOR_SHAPES)
+        assert inference.tile_slots(wide) == 2 * 8  # two slots a row of 128 lanes, 8 rows of float32 a tile
+        assert [plan(tiled(), *p) for p in [(192, 64), (100, 50), (40, 300)]] == [192, 142, 68]
+    assert plan(new_job(), 100, 50) == 128 and inference.tile_slots(wide) == 1
 
 
 # the same properties through the command line: random --data files of the four kinds, and
