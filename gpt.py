@@ -1227,6 +1227,14 @@ class GPT(Module):
         return cache._replace(prefix_keys=unpack_slots(prefix.keys[:, 0], self.head_width),
                               prefix_values=unpack_slots(prefix.values[:, 0], self.head_width))
 
+    def tile_slots(self) -> int:
+        """The slots a cache comes in multiples of to be written by whole tiles where the
+        backend does (a TPU: 2 x 16 of 64-wide bfloat16 heads; write_tile); else 1."""
+        lanes = backend_choice("lanes", self.cache_lanes)
+        per_row = slots_per_row(lanes, self.head_width, lanes)
+        tiled = backend_choice("tile") and per_row > 1
+        return per_row * TILE_BYTES // jnp.dtype(self.adtype).itemsize if tiled else 1
+
     def flops(self, seq: int) -> float:
         total = self.n_layers * self.blocks.flops(seq)  # the scanned block: one layer's
         if self.tie_embeddings:  # the unembedding matmul; the embedding lookup is a gather

@@ -246,16 +246,6 @@ def padded_length(n: int, cap: int, per_octave: int = 8) -> int:
     return min(cap, -(-max(n, 1) // step) * step)
 
 
-def tile_slots(model: gpt.GPT) -> int:
-    """The slots a rollout's cache comes in multiples of: where a TPU packs a cache's slots
-    into rows and writes a step by whole tiles (gpt.slots_per_row, gpt.write_tile), the
-    slots of a tile (a row of 64 bfloat16 values: 2 x 16), so that it does; else 1."""
-    lanes = gpt.backend_choice("lanes", model.cache_lanes)
-    per_row = gpt.slots_per_row(lanes, model.head_width, lanes)
-    tiled = gpt.backend_choice("tile") and per_row > 1
-    return per_row * gpt.TILE_BYTES // jnp.dtype(model.adtype).itemsize if tiled else 1
-
-
 def scored_width(most: int, length: int) -> int:
     """Scored slots per row of a block whose rows hold at most `most` scored tokens in
     `length` token slots: the next power of two (at least 16), but no more than the length
@@ -963,7 +953,7 @@ class InferenceJob:
         prefix; each checked to fit, and the whole to fit in memory. With lengths_per_octave 1
         (an accelerator's fewest programs) a rollout has batch_size rows, its prompt slots a
         power of two or its cache's slots one (prompt and n_new, whichever is fewer: a step
-        reads them all), its cache in whole tiles (tile_slots), and takes an earlier rollout's
+        reads them all), its cache in whole tiles (GPT.tile_slots), and takes an earlier rollout's
         slots where its cache is at most twice as long: that rollout's programs."""
         prompts = [r.prompt[-room:] for r in queue]
         prefix = [] if keep_rows else self.shared_prefix(prompts)
@@ -972,7 +962,7 @@ class InferenceJob:
         if self.lengths_per_octave == 1:  # the fewest programs: an earlier rollout's, where its slots fit
             rows = self.batch_size
             length = min(length, padded_length(len(prompts[0]) + n_new, room + n_new, 1) - n_new)
-            short = -(length - len(prefix) + n_new) % tile_slots(self.model)  # a row's slots after the prefix
+            short = -(length - len(prefix) + n_new) % self.model.tile_slots()  # a row's slots after the prefix
             length += short if length + short <= room else 0
             length = min([n for n in self.rollout_lengths if length <= n <= min(2 * length + n_new, room)],
                          default=length)

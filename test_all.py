@@ -1780,9 +1780,9 @@ def test_an_accelerators_rollout_takes_the_fewer_cache_slots():
     with mock.patch.dict(gpt.BACKEND_ATTENTION[jax.default_backend()], lanes=128, tile=True):
         tiled = lambda: inference.InferenceJob(wide, init(wide), Pieces(0), mesh_of(), batch_size=4, quiet=True,
                                                **inference.ACCELERATOR_SHAPES)
-        assert inference.tile_slots(wide) == 2 * 8  # two slots a row of 128 lanes, 8 rows of float32 a tile
+        assert wide.tile_slots() == 2 * 8  # two slots a row of 128 lanes, 8 rows of float32 a tile
         assert [plan(tiled(), *p) for p in [(192, 64), (100, 50), (40, 300)]] == [192, 142, 68]
-    assert plan(new_job(), 100, 50) == 128 and inference.tile_slots(wide) == 1
+    assert plan(new_job(), 100, 50) == 128 and wide.tile_slots() == 1
 
 
 # the same properties through the command line: random --data files of the four kinds, and
