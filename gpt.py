@@ -30,6 +30,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_masks
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
@@ -452,16 +454,52 @@ def write_slots(x_LBKRW: jax.Array, new_LBKTE: jax.Array, slot: jax.Array, fresh
 
 
 def write_tile(x_LBKRW: jax.Array, new_LBK1E: jax.Array, slot: jax.Array, H: int) -> jax.Array:
-    """write_slots of one step, through the H rows around its slot read and written whole:
-    a TPU writes a tile's single row piece by piece, one piece for each layer, row and head."""
+    """write_slots of one step, through the H rows around its slot read whole, the slot's
+    lanes replaced, and put back by one DMA (put_tile): a TPU writes a tile's single row
+    piece by piece, one piece for each layer, row and head."""
     E = new_LBK1E.shape[-1]
     P = x_LBKRW.shape[-1] // E
     row = slot // P
     first = row // H * H
     tile = jax.lax.dynamic_slice_in_dim(x_LBKRW, first, H, 3)
     mine_HW = (jnp.arange(H)[:, None] == row - first) & (jnp.arange(P * E)[None] // E == slot % P)
-    tile = jnp.where(mine_HW, jnp.tile(new_LBK1E, (1, 1, 1, 1, P)), tile)
-    return jax.lax.dynamic_update_slice_in_dim(x_LBKRW, tile, first, 3)
+    return put_tile(x_LBKRW, jnp.where(mine_HW, jnp.tile(new_LBK1E, (1, 1, 1, 1, P)), tile), first)
+
+
+def put_tile(x_LBKRW: jax.Array, tile_LBKHW: jax.Array, first: jax.Array) -> jax.Array:
+    """jax.lax.dynamic_update_slice_in_dim(x, tile, first, 3) in place, by one DMA of a
+    Pallas kernel (interpreted off a TPU, for tests): XLA's own update copies the tile's
+    pieces one at a time. On a mesh each device puts its own rows and heads (jax.shard_map),
+    as a Pallas kernel is opaque to XLA's partitioner."""
+    H = tile_LBKHW.shape[3]
+
+    def kernel(first_ref, tile_ref, x_ref, out_ref, done):
+        del x_ref  # the same buffer as out_ref
+        rows = pl.ds(pl.multiple_of(first_ref[0], H), H)
+        copy = pltpu.make_async_copy(tile_ref, out_ref.at[:, :, :, rows, :], done)
+        copy.start()
+        copy.wait()
+
+    def on_device(first_1, x, tile):
+        anywhere = pl.BlockSpec(memory_space=pl.ANY)
+        grid = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=(1,), in_specs=[anywhere, anywhere],
+                                            out_specs=anywhere, scratch_shapes=[pltpu.SemaphoreType.DMA])
+        interpret = jax.default_backend() != "tpu"
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid_spec=grid,
+                              input_output_aliases={2: 0}, interpret=interpret)(first_1, tile, x)
+
+    first_1 = jnp.reshape(first, (1,)).astype(jnp.int32)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return on_device(first_1, x_LBKRW, tile_LBKHW)
+    spec = PartitionSpec(None, mesh_axis(mesh, "batch", x_LBKRW.shape[1]), mesh_axis(mesh, "shard", x_LBKRW.shape[2]))
+    return jax.shard_map(on_device, in_specs=(PartitionSpec(), spec, spec), out_specs=spec,
+                         check_vma=False)(first_1, x_LBKRW, tile_LBKHW)
+
+
+def mesh_axis(mesh: Any, axis: str, n: int) -> Optional[str]:
+    """`axis` where the mesh has it and it splits n evenly (a shard_map's spec), else None."""
+    return axis if axis in mesh.shape and n % mesh.shape[axis] == 0 else None
 
 
 def causal_kernel(choice: str, dtype: Any, T: int, masked: bool, softcap: Optional[float]) -> str:
@@ -528,8 +566,8 @@ def attend_splash(q_BTHE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, scale
     local = functools.partial(splash_on_device, scale=scale, window=window, softcap=softcap)
     if mesh.empty or mesh.size == 1:
         return local(q_BTHE, k_BTKE, v_BTKE)
-    on = lambda axis, n: axis if axis in mesh.shape and n % mesh.shape[axis] == 0 else None
-    spec = PartitionSpec(on("batch", q_BTHE.shape[0]), None, on("shard", k_BTKE.shape[2]), None)  # groups stay whole
+    spec = PartitionSpec(mesh_axis(mesh, "batch", q_BTHE.shape[0]), None, mesh_axis(mesh, "shard", k_BTKE.shape[2]),
+                         None)  # groups stay whole
     return jax.shard_map(local, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)(q_BTHE, k_BTKE, v_BTKE)
 
 

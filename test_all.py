@@ -1431,6 +1431,30 @@ def test_fast_attention_equals_the_reference_attention(name, lengths, prefix, fr
         assert np.abs(fast - plain).max() <= 1e-5 * max(1.0, np.abs(plain).max())
 
 
+@fuzz_settings(4)
+@hypothesis.given(mesh_shape=st.sampled_from(FUZZ_MESHES), dtype=st.sampled_from(["float32", "bfloat16"]),
+                  layers=st.integers(1, 3), rows=st.sampled_from([2, 4, 8]), heads=st.sampled_from([2, 4]),
+                  tiles=st.integers(1, 3), seed=st.integers(0, 99))
+@hypothesis.example(mesh_shape=(4, 2), dtype="bfloat16", layers=2, rows=4, heads=2, tiles=3, seed=0)
+def test_a_tiles_put_by_dma_equals_xlas_update(mesh_shape, dtype, layers, rows, heads, tiles, seed):
+    """gpt.put_tile (a TPU's step write, one Pallas DMA; interpreted here) equals
+    jax.lax.dynamic_update_slice_in_dim into the cache's rows, in place of its argument
+    (donated), on one device and on a mesh that splits rows and heads (jax.shard_map)."""
+    H = gpt.TILE_BYTES // jnp.dtype(dtype).itemsize
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(layers, rows, heads, tiles * H, 128)), dtype)
+    tile = jnp.asarray(rng.normal(size=(layers, rows, heads, H, 128)), dtype)
+    first = jnp.int32(int(rng.integers(0, tiles)) * H)
+    mesh = gpt.make_mesh(*mesh_shape, devices=jax.devices()[:math.prod(mesh_shape)])
+    split = lambda axis, n, size: axis if n % size == 0 else None  # else held whole on each device
+    spec = PartitionSpec(None, split("batch", rows, mesh_shape[0]), split("shard", heads, mesh_shape[1]))
+    x = jax.device_put(x, NamedSharding(mesh, spec))
+    want = np.asarray(jax.lax.dynamic_update_slice_in_dim(x, tile, first, 3))
+    with jax.set_mesh(mesh):
+        got = jax.jit(gpt.put_tile, donate_argnums=0)(x, tile, first)
+    assert x.is_deleted() and np.array_equal(np.asarray(got), want)
+
+
 class Pieces:
     """A tokenizer whose tokens read as one to three characters (so a stop string can end
     inside a token or span several) from a five-letter alphabet (so stop strings occur),
