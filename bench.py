@@ -1350,21 +1350,27 @@ def timed_run(args: List[str], out: Path, cache: Path) -> Dict[str, Any]:
     """`python evaluate.py ARGS` as a user runs it, a process of its own with its persistent
     compilation cache in `cache` (the default one, under XDG_CACHE_HOME): its wall seconds,
     and what its results.json says it computed and built."""
+    script = str(Path(__file__).resolve().parent / "evaluate.py")
+    seconds = timed_process([script, *args, "--out", str(out), "--quiet"], cache, out.parent)
+    results = json.loads((out / "results.json").read_text())
+    return {"seconds": seconds, "programs": results["programs"], "results": results["results"],
+            "run_seconds": results["seconds"]}
+
+
+def timed_process(argv: List[str], cache: Path, cwd: Path) -> float:
+    """Wall seconds of `python ARGV` in a process of its own, its compilation cache in `cache`."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT"))}
     env.update(XDG_CACHE_HOME=str(cache), GPT_EVAL_COMPILE_CACHE="1")
     for attempt in range(2):  # a TPU can refuse a process that starts just as the last one ends: once more
         started = time.perf_counter()
-        proc = subprocess.run([sys.executable, str(Path(__file__).resolve().parent / "evaluate.py"), *args, "--out",
-                               str(out), "--quiet"], capture_output=True, text=True, env=env, cwd=out.parent)
+        proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, cwd=cwd)
         seconds = time.perf_counter() - started
         if proc.returncode == 0 or "libtpu" not in proc.stderr or attempt:
             break
         time.sleep(5)
     if proc.returncode != 0:
-        raise RuntimeError(f"evaluate.py {' '.join(args)}: {proc.stderr[-2000:]}")
-    results = json.loads((out / "results.json").read_text())
-    return {"seconds": seconds, "programs": results["programs"], "results": results["results"],
-            "run_seconds": results["seconds"]}
+        raise RuntimeError(f"python {' '.join(argv)}: {proc.stderr[-2000:]}")
+    return seconds
 
 
 def report_runs(cfg: BenchConfig, write: Callable[[Any], None], say: Callable[[str], None]) -> None:
@@ -1378,6 +1384,10 @@ def report_runs(cfg: BenchConfig, write: Callable[[Any], None], say: Callable[[s
     write_llama(shape, fixture / "tokenizer", workdir / "model", cfg.seed, 0.02)
     result: Dict[str, Any] = {"model": cfg.runs_model, "shape": shape, "dtype": cfg.dtype, "batch": cfg.batch,
                               "workloads": {}}
+    say("runs: a process that imports evaluate.py and opens the devices")
+    opening = "import sys; sys.path.insert(0, sys.argv[1]); import evaluate, jax; jax.devices()"
+    result["floor_seconds"] = min(timed_process(["-c", opening, str(Path(__file__).resolve().parent)],
+                                                workdir / "floor-cache", workdir) for _ in range(2))
     for name in cfg.runs_workloads.split(","):
         args = RUNS[name] and ["--ckpt", "model", *RUNS[name], "--batch-size", str(cfg.batch), "--dtype", cfg.dtype]
         runs = {}
@@ -1402,6 +1412,9 @@ def runs_report_table(r: Dict[str, Any]) -> List[str]:
                      f"{first['programs']['seconds']:9.1f} {longest:7.1f} {second['seconds']:8.1f} {second['programs']['loaded']:6d} "
                      f"{second['programs']['seconds']:7.1f}  " + ", ".join(
                          f"{n.removeprefix('jit(').removesuffix(')')} {k}" for n, k in first["programs"]["by_name"].items()))
+    if "floor_seconds" in r:
+        lines.append(f"  a process that only imports evaluate.py and opens the devices: {r['floor_seconds']:.1f} s "
+                     "(least of 2), the least any run takes")
     return lines
 
 

@@ -14,6 +14,7 @@ tasks are tasks.py; HuggingFace directories are read by hf.py.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import itertools
@@ -22,6 +23,7 @@ import math
 import os
 import re
 import sys
+import threading
 import time
 import warnings
 from abc import ABC, abstractmethod
@@ -766,6 +768,20 @@ def use_compile_cache(off: bool) -> None:
     jax.config.update("jax_compilation_cache_max_size", COMPILE_CACHE_BYTES)
 
 
+def open_devices_meanwhile() -> None:
+    """The devices opened in a thread while the checkpoint, tokenizer and data are read: a
+    TPU's runtime takes seconds to start, outside Python, time that imports and reading files
+    can share (docs/speed.md). Joined before the process ends (an exit mid-start could fail);
+    an error is left to the main thread's own call, which raises it again."""
+    def open_devices() -> None:
+        with contextlib.suppress(Exception):
+            jax.devices()
+
+    opening = threading.Thread(target=open_devices, daemon=True)
+    opening.start()
+    atexit.register(opening.join)
+
+
 def evaluate_command(argv: List[str]) -> None:
     """`python evaluate.py ...`: a HuggingFace directory goes to BackboneEvaluate, a native
     checkpoint or nothing (fresh weights) to Evaluate."""
@@ -773,6 +789,7 @@ def evaluate_command(argv: List[str]) -> None:
     cfg.validate()
     start_processes(cfg)
     use_compile_cache(cfg.no_compile_cache)
+    open_devices_meanwhile()
     base = resolve_checkpoint(cfg.ckpt, say_on_process_0) if cfg.ckpt else None  # a hub id: its snapshot
     hf = base is not None and Path(base.path).is_dir() and not base.is_native
     cls = BackboneEvaluate if hf else Evaluate

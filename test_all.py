@@ -4122,6 +4122,7 @@ def test_bench_gpu_report_dry_run(tmp_path):
         first, second = w["first"], w["second"]
         assert first["programs"]["compiled"] > 0 and second["programs"] == {**second["programs"], "compiled": 0}
         assert second["programs"]["loaded"] >= first["programs"]["compiled"] and first["results"] == second["results"]
+        assert 0 < r["runs"]["floor_seconds"] < first["seconds"]  # a process that only starts: less than a run
     assert r["device"]["backend"] == "cpu" and r["ceilings"]["gemm"]["flops_per_s"] > 0
     p = r["parity"]["float32"]
     assert p["max_rel"] == 0 and p["log_likelihoods"] == 24 + 4 * 32
