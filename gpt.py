@@ -400,8 +400,9 @@ class AttentionConfig:
 #   lanes: the KV cache's rows (GPT.cache_lanes, slots_per_row): 0, one slot a row; 128, as
 #     many slots side by side as fill a TPU's 128 lanes (a row of 64 would make the TPU tile
 #     the cache across its slots, and each step's write touch a tile of 128 slots).
-#   tile: whether a decoding step writes the whole tile of the cache around its slot
-#     (write_tile), where a TPU would write the one row piece by piece.
+#   tile: whether a decoding step writes the whole tile of the cache around its slot,
+#     put back by one DMA (write_tile, put_tile), where a TPU would write the one row piece
+#     by piece.
 BACKEND_ATTENTION = {
     "cpu": dict(half="xla", full="xla", step="sums", rows="device", lanes=0, tile=False),
     "gpu": dict(half="cudnn", full="xla", step="sums", rows="all", lanes=0, tile=False),
