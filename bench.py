@@ -1385,7 +1385,7 @@ def report_runs(cfg: BenchConfig, write: Callable[[Any], None], say: Callable[[s
     result: Dict[str, Any] = {"model": cfg.runs_model, "shape": shape, "dtype": cfg.dtype, "batch": cfg.batch,
                               "workloads": {}}
     say("runs: a process that imports evaluate.py and opens the devices")
-    opening = "import sys; sys.path.insert(0, sys.argv[1]); import evaluate, jax; jax.devices()"
+    opening = "import sys; sys.path.insert(0, sys.argv[1]); import evaluate; evaluate.open_devices_meanwhile()"
     result["floor_seconds"] = min(timed_process(["-c", opening, str(Path(__file__).resolve().parent)],
                                                 workdir / "floor-cache", workdir) for _ in range(2))
     for name in cfg.runs_workloads.split(","):
