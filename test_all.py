@@ -4174,6 +4174,17 @@ print(json.dumps({"status": status, **counts}))
 """
 
 
+def test_a_tpus_premapped_buffer_is_1_gib_unless_the_user_set_it(monkeypatch):
+    """open_devices_meanwhile sets TPU_PREMAPPED_BUFFER_SIZE (read as a TPU's runtime
+    starts) to PREMAPPED_BYTES where it is unset, and leaves a user's value alone."""
+    monkeypatch.delenv("TPU_PREMAPPED_BUFFER_SIZE", raising=False)
+    evaluate.open_devices_meanwhile()
+    assert os.environ["TPU_PREMAPPED_BUFFER_SIZE"] == str(evaluate.PREMAPPED_BYTES) == str(1 << 30)
+    monkeypatch.setenv("TPU_PREMAPPED_BUFFER_SIZE", "8589934592")
+    evaluate.open_devices_meanwhile()
+    assert os.environ["TPU_PREMAPPED_BUFFER_SIZE"] == "8589934592"
+
+
 def test_a_second_run_compiles_nothing_through_the_default_compile_cache(tmp_path):
     """The persistent compilation cache is on by default, in the user's cache directory: a
     second process on the same shapes loads every program and compiles none, with the same
