@@ -40,7 +40,8 @@ from inference import (MIN_TEMPERATURE, GenerationRequest, InferenceJob, Request
                        Request, Scored, per_document)
 from checkpoints import Node, load_native, model_config
 from jobs import (ByteTokenizer, ExecutionSpec, ModelOptions, UsageError, builtin_items, exit_status, first_line,
-                  is_checkpoint_file, is_eval_item, job, lean_cpu_schedules, option, parse_options, short)
+                  is_checkpoint_file, is_eval_item, job, lean_cpu_schedules, option, parse_options,
+                  premapped_buffer, short)
 from runs import (JOURNAL_FILE, KINDS, Journal, JsonlDataset, compile_log, journaling, out_dir_held, previous_run,
                   run_fingerprint)
 from tasks import LM_EVAL, check_task_options, run_tasks
@@ -746,9 +747,6 @@ def start_processes(cfg: Any) -> None:
 COMPILE_CACHE_BYTES = 2 << 30  # the persistent cache's bound; the least recently used programs go first
 
 
-PREMAPPED_BYTES = 1 << 30  # a TPU runtime's pinned host buffer (open_devices_meanwhile)
-
-
 def use_compile_cache(off: bool) -> None:
     """JAX's persistent compilation cache, on unless `off` or GPT_EVAL_COMPILE_CACHE=0: a
     second run of the same shapes loads its compiled programs instead of compiling them
@@ -775,11 +773,8 @@ def open_devices_meanwhile() -> None:
     """The devices opened in a thread while the checkpoint, tokenizer and data are read: a
     TPU's runtime takes seconds to start, outside Python, time that imports and reading files
     can share (docs/speed.md). Joined before the process ends (an exit mid-start could fail);
-    an error is left to the main thread's own call, which raises it again. A TPU's runtime
-    pins TPU_PREMAPPED_BUFFER_SIZE bytes of host memory for transfers as it starts and unpins
-    them at exit, 4 GiB by default: PREMAPPED_BYTES, where the variable is unset, starts and
-    exits in less time and moves a checkpoint's tensors as fast."""
-    os.environ.setdefault("TPU_PREMAPPED_BUFFER_SIZE", str(PREMAPPED_BYTES))
+    an error is left to the main thread's own call, which raises it again."""
+    premapped_buffer()
 
     def open_devices() -> None:
         with contextlib.suppress(Exception):

@@ -799,12 +799,24 @@ def exit_status(command: Callable[[], None]) -> int:
 # ----------------------------------------------------------------------------- command line
 
 
+PREMAPPED_BYTES = 1 << 30  # a TPU runtime's pinned host buffer for transfers (premapped_buffer)
+
+
+def premapped_buffer() -> None:
+    """Before the devices open: a TPU's runtime pins TPU_PREMAPPED_BUFFER_SIZE bytes of host
+    memory for transfers as it starts and unpins them as the process exits, 4 GiB unless
+    set, seconds each way; PREMAPPED_BYTES, where the variable is unset, starts and exits
+    sooner and moves a checkpoint's tensors as fast (docs/speed.md). Other backends ignore it."""
+    os.environ.setdefault("TPU_PREMAPPED_BUFFER_SIZE", str(PREMAPPED_BYTES))
+
+
 def run_job(key: str, argv: List[str]) -> None:
     """`python jobs.py KEY --opt value ...`: build the job's options and spec, run it."""
     cls = load_job(key)
     cfg = parse_options(cls.CONFIG, argv)
     if hasattr(cfg, "validate"):
         cfg.validate()
+    premapped_buffer()
     spec = ExecutionSpec(name=key, out_dir=getattr(cfg, "out", "runs"), mesh=getattr(cfg, "mesh", None),
                          seed=getattr(cfg, "seed", 0), cfg=cfg)
     cls(spec).run()

@@ -4175,14 +4175,33 @@ print(json.dumps({"status": status, **counts}))
 
 
 def test_a_tpus_premapped_buffer_is_1_gib_unless_the_user_set_it(monkeypatch):
-    """open_devices_meanwhile sets TPU_PREMAPPED_BUFFER_SIZE (read as a TPU's runtime
-    starts) to PREMAPPED_BYTES where it is unset, and leaves a user's value alone."""
-    monkeypatch.delenv("TPU_PREMAPPED_BUFFER_SIZE", raising=False)
-    evaluate.open_devices_meanwhile()
-    assert os.environ["TPU_PREMAPPED_BUFFER_SIZE"] == str(evaluate.PREMAPPED_BYTES) == str(1 << 30)
-    monkeypatch.setenv("TPU_PREMAPPED_BUFFER_SIZE", "8589934592")
-    evaluate.open_devices_meanwhile()
-    assert os.environ["TPU_PREMAPPED_BUFFER_SIZE"] == "8589934592"
+    """evaluate.py (open_devices_meanwhile) and jobs.py's jobs (run_job, train.py's too)
+    set TPU_PREMAPPED_BUFFER_SIZE, read as a TPU's runtime starts, to PREMAPPED_BYTES where
+    it is unset, before the job runs, and leave a user's value alone."""
+    seen = []
+
+    @dataclasses.dataclass
+    class Options:
+        pass
+
+    class Job:
+        CONFIG = Options
+
+        def __init__(self, spec):
+            pass
+
+        def run(self):
+            seen.append(os.environ["TPU_PREMAPPED_BUFFER_SIZE"])
+
+    monkeypatch.setattr(jobs, "load_job", lambda key: Job)
+    for start in (evaluate.open_devices_meanwhile, lambda: jobs.run_job("any", [])):
+        monkeypatch.delenv("TPU_PREMAPPED_BUFFER_SIZE", raising=False)
+        start()
+        assert os.environ["TPU_PREMAPPED_BUFFER_SIZE"] == str(jobs.PREMAPPED_BYTES) == str(1 << 30)
+        monkeypatch.setenv("TPU_PREMAPPED_BUFFER_SIZE", "8589934592")
+        start()
+        assert os.environ["TPU_PREMAPPED_BUFFER_SIZE"] == "8589934592"
+    assert seen == [str(1 << 30), "8589934592"]
 
 
 def test_a_second_run_compiles_nothing_through_the_default_compile_cache(tmp_path):
