@@ -812,11 +812,11 @@ def premapped_buffer() -> None:
 
 def run_job(key: str, argv: List[str]) -> None:
     """`python jobs.py KEY --opt value ...`: build the job's options and spec, run it."""
+    premapped_buffer()
     cls = load_job(key)
     cfg = parse_options(cls.CONFIG, argv)
     if hasattr(cfg, "validate"):
         cfg.validate()
-    premapped_buffer()
     spec = ExecutionSpec(name=key, out_dir=getattr(cfg, "out", "runs"), mesh=getattr(cfg, "mesh", None),
                          seed=getattr(cfg, "seed", 0), cfg=cfg)
     cls(spec).run()
