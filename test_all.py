@@ -1446,8 +1446,8 @@ def test_a_tiles_put_by_dma_equals_xlas_update(mesh_shape, dtype, layers, rows, 
     tile = jnp.asarray(rng.normal(size=(layers, rows, heads, H, 128)), dtype)
     first = jnp.int32(int(rng.integers(0, tiles)) * H)
     mesh = gpt.make_mesh(*mesh_shape, devices=jax.devices()[:math.prod(mesh_shape)])
-    split = lambda axis, n, size: axis if n % size == 0 else None  # else held whole on each device
-    spec = PartitionSpec(None, split("batch", rows, mesh_shape[0]), split("shard", heads, mesh_shape[1]))
+    # rows and heads split where the mesh divides them, else held whole on each device
+    spec = PartitionSpec(None, gpt.mesh_axis(mesh, "batch", rows), gpt.mesh_axis(mesh, "shard", heads))
     x = jax.device_put(x, NamedSharding(mesh, spec))
     want = np.asarray(jax.lax.dynamic_update_slice_in_dim(x, tile, first, 3))
     with jax.set_mesh(mesh):
