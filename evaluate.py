@@ -35,10 +35,10 @@ import numpy as np
 
 import gpt
 from fast import PlanError
-from hf import load_backbone, load_model, resolve_checkpoint  # load_backbone: the reference API has it here too
+from hf import checkpoint_tokenizer, load_backbone, load_weights, resolve_checkpoint  # load_backbone: the reference API has it here too
 from inference import (MIN_TEMPERATURE, GenerationRequest, InferenceJob, RequestError,
                        Request, Scored, per_document)
-from checkpoints import Node, load_native, model_config
+from checkpoints import Node, model_config
 from jobs import (ByteTokenizer, ExecutionSpec, ModelOptions, UsageError, builtin_items, exit_status, first_line,
                   is_checkpoint_file, is_eval_item, job, lean_cpu_schedules, option, parse_options,
                   premapped_buffer, short)
@@ -483,8 +483,11 @@ class Evaluator(InferenceJob):
         if parts is None and base is None and self.cfg.ckpt:  # `python jobs.py KEY --ckpt ...` gives no base
             self.base = resolve_checkpoint(self.cfg.ckpt, say_on_process_0)
         if parts is None:
+            # the tokenizer before the mesh: reading it needs no device, so a TPU's runtime starts
+            # meanwhile (open_devices_meanwhile)
+            tokenizer = self.load_tokenizer()
             mesh = spec.make_mesh()
-            parts = Parts(*self.load(mesh), mesh)
+            parts = Parts(*self.load(mesh), tokenizer, mesh)
         if self.cfg.simple:  # the simplest path end to end: the inference core's and the model's attention
             parts = parts._replace(model=parts.model.clone(attention="reference"))
         with refused_as_usage():
@@ -492,8 +495,12 @@ class Evaluator(InferenceJob):
                              quiet=self.cfg.quiet, simple=self.cfg.simple)
         self.evaluations = self.build_evaluations() if evaluations is None else evaluations
 
-    def load(self, mesh: jax.sharding.Mesh) -> Tuple[gpt.GPT, Any, Any]:
-        """(model, variables placed on `mesh`, tokenizer): each job says where they come from."""
+    def load_tokenizer(self) -> Any:
+        """The tokenizer: each job says where it comes from."""
+        raise NotImplementedError
+
+    def load(self, mesh: jax.sharding.Mesh) -> Tuple[gpt.GPT, Any]:
+        """(model, variables placed on `mesh`): each job says where they come from."""
         raise NotImplementedError
 
     @classmethod
@@ -648,22 +655,28 @@ def table(results: List[Result]) -> str:
 class Evaluate(Evaluator):
     """Evaluate initialized or restored GPT weights with a declared EVALUATION."""
 
+    def load_tokenizer(self):
+        return ByteTokenizer() if self.base is None else checkpoint_tokenizer(self.base)
+
     def load(self, mesh):
         c = self.cfg
         if self.base is not None:
-            return load_native(self.base.path, mesh, c.dtype)
+            return load_weights(self.base, mesh, c.dtype)
         model = gpt.GPT(param_dtype=c.dtype, activation_dtype=c.dtype)
-        return model, gpt.init_params(model, mesh, self.spec.seed), ByteTokenizer()
+        return model, gpt.init_params(model, mesh, self.spec.seed)
 
 
 @job("backbone/evaluate")
 class BackboneEvaluate(Evaluator):
     """Evaluate HuggingFace weights or a native checkpoint based on that model."""
 
-    def load(self, mesh):
+    def load_tokenizer(self):
         if self.base is None:
             raise UsageError("backbone/evaluate needs --ckpt (a HuggingFace directory or hub id, or a native one)")
-        return load_model(self.base, mesh, self.cfg.dtype)
+        return checkpoint_tokenizer(self.base)
+
+    def load(self, mesh):
+        return load_weights(self.base, mesh, self.cfg.dtype)
 
 
 # ----------------------------------------------------------------------------- option checks

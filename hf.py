@@ -45,9 +45,10 @@ from safetensors.numpy import save_file
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 import gpt
-from checkpoints import (Node, TensorFiles, check_model_fields, concatenated, flatten, load_native, param_shapes,
+from checkpoints import (Node, TensorFiles, check_model_fields, concatenated, flatten, load_checkpoint, param_shapes,
                          read_config, split, stacked, stacked_layers)
-from jobs import CHAT_TEMPLATES, TOKENIZER_FILES, HFTokenizer, UsageError, exit_status, first_line, read_json, short
+from jobs import (CHAT_TEMPLATES, TOKENIZER_FILES, HFTokenizer, UsageError, exit_status, first_line, load_tokenizer,
+                  read_json, short)
 
 SUPPORTED = ("gpt2", "llama", "qwen2", "qwen3", "gpt_neox", "mistral", "gemma3_text", "gemma2", "phi3", "olmo2",
              "granite", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
@@ -612,10 +613,26 @@ def load_backbone(path: str, dtype: str = "float32",
 def load_model(base: Node, mesh: jax.sharding.Mesh, dtype: str = "float32") -> Tuple[gpt.GPT, Any, Any]:
     """(model, variables placed on `mesh`, tokenizer) of a checkpoint resolve_checkpoint
     found: a native one (train.py's) or a HuggingFace directory."""
+    tokenizer = checkpoint_tokenizer(base)
+    return (*load_weights(base, mesh, dtype), tokenizer)
+
+
+def checkpoint_tokenizer(base: Node) -> Any:
+    """The tokenizer of a checkpoint resolve_checkpoint found, read without a device: a
+    native one's config.json says which; a HuggingFace directory's own, after its config.json
+    is checked (a model that cannot load is named before a tokenizer it lacks)."""
     if base.is_native:
-        return load_native(base.path, mesh, dtype)
-    model, variables = load_backbone(base.path, dtype, mesh)  # each device's share read from the files
-    return model, variables, HFTokenizer(base.path)
+        return load_tokenizer(base.config, base.path)
+    read_hf_config(base.path)
+    return HFTokenizer(base.path)
+
+
+def load_weights(base: Node, mesh: jax.sharding.Mesh, dtype: str = "float32") -> Tuple[gpt.GPT, Any]:
+    """(model, variables placed on `mesh`) of a checkpoint resolve_checkpoint found, each
+    device's share read from the files."""
+    if base.is_native:
+        return load_checkpoint(base.path, mesh, dtype)[:2]
+    return load_backbone(base.path, dtype, mesh)
 
 
 # ----------------------------------------------------------------------------- export

@@ -4204,6 +4204,23 @@ def test_a_tpus_premapped_buffer_is_1_gib_unless_the_user_set_it(monkeypatch):
     assert seen == [str(1 << 30), "8589934592"]
 
 
+def test_an_evaluation_reads_its_tokenizer_before_it_needs_a_device(hf_gpt2, monkeypatch):
+    """What needs no device comes first (the checkpoint's tokenizer, which imports
+    transformers), so that a TPU's runtime starts meanwhile (open_devices_meanwhile): the
+    mesh is made after the tokenizer is read, and the parameters placed after both."""
+    order = []
+    for owner, name in ((jobs.HFTokenizer, "__init__"), (jobs.ExecutionSpec, "make_mesh"), (gpt, "place_params")):
+        def recorded(*args, _name=name, _original=getattr(owner, name), **kwargs):
+            order.append(_name)
+            return _original(*args, **kwargs)
+        monkeypatch.setattr(owner, name, recorded)
+    cfg = jobs.parse_options(evaluate.EvaluatorConfig, ["--ckpt", str(hf_gpt2), "--mesh", "1x1", "--quiet"])
+    spec = jobs.ExecutionSpec(name=evaluate.BackboneEvaluate.KEY, mesh=cfg.mesh, cfg=cfg)
+    evaluator = evaluate.BackboneEvaluate(spec, checkpoints.Node(str(hf_gpt2)))
+    assert order == ["__init__", "make_mesh", "place_params"]
+    assert isinstance(evaluator.tokenizer, jobs.HFTokenizer) and evaluator.tokenizer.directory == str(hf_gpt2)
+
+
 def test_a_second_run_compiles_nothing_through_the_default_compile_cache(tmp_path):
     """The persistent compilation cache is on by default, in the user's cache directory: a
     second process on the same shapes loads every program and compiles none, with the same
