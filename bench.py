@@ -700,7 +700,7 @@ import json, sys
 import jax
 import evaluate
 from checkpoints import Node
-from jobs import ExecutionSpec, parse_options
+from jobs import ExecutionSpec, parse_options, use_compile_cache
 compiled, loaded = [], []
 
 def on_event(event, **meta):  # a hit comes within its program's compile event
@@ -715,7 +715,7 @@ jax.monitoring.register_event_listener(on_event)
 jax.monitoring.register_event_duration_secs_listener(on_duration)
 cfg = parse_options(evaluate.EvaluatorConfig, sys.argv[1:])
 cfg.validate()
-evaluate.use_compile_cache(cfg.no_compile_cache)
+use_compile_cache(cfg.no_compile_cache)
 spec = ExecutionSpec(name=evaluate.BackboneEvaluate.KEY, out_dir=cfg.out, seed=cfg.seed, cfg=cfg)
 job = evaluate.BackboneEvaluate(spec, Node(cfg.ckpt))
 job.run()

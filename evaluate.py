@@ -25,7 +25,6 @@ import re
 import sys
 import threading
 import time
-import warnings
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
@@ -41,7 +40,7 @@ from inference import (MIN_TEMPERATURE, GenerationRequest, InferenceJob, Request
 from checkpoints import Node, model_config
 from jobs import (ByteTokenizer, ExecutionSpec, ModelOptions, UsageError, builtin_items, exit_status, first_line,
                   is_checkpoint_file, is_eval_item, job, lean_cpu_schedules, option, parse_options,
-                  premapped_buffer, short)
+                  premapped_buffer, short, use_compile_cache)
 from runs import (JOURNAL_FILE, KINDS, Journal, JsonlDataset, compile_log, journaling, out_dir_held, previous_run,
                   run_fingerprint)
 from tasks import LM_EVAL, check_task_options, run_tasks
@@ -755,31 +754,6 @@ def start_processes(cfg: Any) -> None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(coordinator_address=cfg.coordinator, num_processes=cfg.num_processes,
                                    process_id=cfg.process_id)
-
-
-COMPILE_CACHE_BYTES = 2 << 30  # the persistent cache's bound; the least recently used programs go first
-
-
-def use_compile_cache(off: bool) -> None:
-    """JAX's persistent compilation cache, on unless `off` or GPT_EVAL_COMPILE_CACHE=0: a
-    second run of the same shapes loads its compiled programs instead of compiling them
-    (a small run otherwise spends more on compiling than on computing). It lives in
-    $XDG_CACHE_HOME/gpt-eval/jax (~/.cache/gpt-eval/jax), keeps every program however
-    quickly it compiled (jax's default keeps those over a second), and at most
-    COMPILE_CACHE_BYTES. Where JAX_COMPILATION_CACHE_DIR names a directory, jax's own
-    settings apply there (a bound would make jax evict, and fail on, entries that other
-    programs wrote without one). A cache that cannot be read or written costs time only:
-    jax's warnings about it are silenced, so the first line on stderr stays ours."""
-    if off or os.environ.get("GPT_EVAL_COMPILE_CACHE") == "0":
-        jax.config.update("jax_enable_compilation_cache", False)
-        return
-    warnings.filterwarnings("ignore", message="Error (reading|writing) persistent compilation cache")
-    if jax.config.jax_compilation_cache_dir:
-        return
-    cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    jax.config.update("jax_compilation_cache_dir", os.path.join(cache_home, "gpt-eval", "jax"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_compilation_cache_max_size", COMPILE_CACHE_BYTES)
 
 
 def open_devices_meanwhile() -> None:

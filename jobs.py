@@ -33,6 +33,7 @@ import tempfile
 import threading
 import time
 import typing
+import warnings
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar
 
@@ -810,6 +811,31 @@ def premapped_buffer() -> None:
     os.environ.setdefault("TPU_PREMAPPED_BUFFER_SIZE", str(PREMAPPED_BYTES))
 
 
+COMPILE_CACHE_BYTES = 2 << 30  # the persistent cache's bound; the least recently used programs go first
+
+
+def use_compile_cache(off: bool) -> None:
+    """JAX's persistent compilation cache, on unless `off` or GPT_EVAL_COMPILE_CACHE=0: a
+    second run of the same shapes loads its compiled programs instead of compiling them
+    (a small run otherwise spends more on compiling than on computing). It lives in
+    $XDG_CACHE_HOME/gpt-eval/jax (~/.cache/gpt-eval/jax), keeps every program however
+    quickly it compiled (jax's default keeps those over a second), and at most
+    COMPILE_CACHE_BYTES. Where JAX_COMPILATION_CACHE_DIR names a directory, jax's own
+    settings apply there (a bound would make jax evict, and fail on, entries that other
+    programs wrote without one). A cache that cannot be read or written costs time only:
+    jax's warnings about it are silenced, so the first line on stderr stays ours."""
+    if off or os.environ.get("GPT_EVAL_COMPILE_CACHE") == "0":
+        jax.config.update("jax_enable_compilation_cache", False)
+        return
+    warnings.filterwarnings("ignore", message="Error (reading|writing) persistent compilation cache")
+    if jax.config.jax_compilation_cache_dir:
+        return
+    cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    jax.config.update("jax_compilation_cache_dir", os.path.join(cache_home, "gpt-eval", "jax"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_compilation_cache_max_size", COMPILE_CACHE_BYTES)
+
+
 def run_job(key: str, argv: List[str]) -> None:
     """`python jobs.py KEY --opt value ...`: build the job's options and spec, run it."""
     premapped_buffer()
@@ -817,6 +843,7 @@ def run_job(key: str, argv: List[str]) -> None:
     cfg = parse_options(cls.CONFIG, argv)
     if hasattr(cfg, "validate"):
         cfg.validate()
+    use_compile_cache(getattr(cfg, "no_compile_cache", False))
     spec = ExecutionSpec(name=key, out_dir=getattr(cfg, "out", "runs"), mesh=getattr(cfg, "mesh", None),
                          seed=getattr(cfg, "seed", 0), cfg=cfg)
     cls(spec).run()

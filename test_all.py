@@ -4204,6 +4204,32 @@ def test_a_tpus_premapped_buffer_is_1_gib_unless_the_user_set_it(monkeypatch):
     assert seen == [str(1 << 30), "8589934592"]
 
 
+def test_jobs_use_the_persistent_compile_cache_as_evaluate_py_does(monkeypatch):
+    """`python jobs.py KEY` (train.py's stages too) turns on the compilation cache that
+    evaluate.py uses (use_compile_cache, shown end to end by the second-run test below),
+    off where the job's options say --no-compile-cache."""
+    calls = []
+
+    @dataclasses.dataclass
+    class Options:
+        no_compile_cache: bool = jobs.option(False, "no cache")
+
+    class Job:
+        CONFIG = Options
+
+        def __init__(self, spec):
+            self.spec = spec
+
+        def run(self):
+            calls.append(("run", self.spec.cfg.no_compile_cache))
+
+    monkeypatch.setattr(jobs, "load_job", lambda key: Job)
+    monkeypatch.setattr(jobs, "use_compile_cache", lambda off: calls.append(("cache", off)))
+    jobs.run_job("any", [])
+    jobs.run_job("any", ["--no-compile-cache"])
+    assert calls == [("cache", False), ("run", False), ("cache", True), ("run", True)]
+
+
 def test_an_evaluation_reads_its_tokenizer_before_it_needs_a_device(hf_gpt2, monkeypatch):
     """What needs no device comes first (the checkpoint's tokenizer, which imports
     transformers), so that a TPU's runtime starts meanwhile (open_devices_meanwhile): the
