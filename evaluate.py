@@ -34,7 +34,8 @@ import numpy as np
 
 import gpt
 from fast import PlanError
-from hf import checkpoint_tokenizer, load_backbone, load_weights, resolve_checkpoint  # load_backbone: the reference API has it here too
+# load_backbone: the reference API has it here too
+from hf import checkpoint_tokenizer, load_backbone, load_weights, resolve_checkpoint
 from inference import (MIN_TEMPERATURE, GenerationRequest, InferenceJob, RequestError,
                        Request, Scored, per_document)
 from checkpoints import Node, model_config
@@ -757,9 +758,9 @@ def start_processes(cfg: Any) -> None:
 
 
 def open_devices_meanwhile() -> None:
-    """The devices opened in a thread while the checkpoint, tokenizer and data are read: a
-    TPU's runtime takes seconds to start, outside Python, time that imports and reading files
-    can share (docs/speed.md). Joined before the process ends (an exit mid-start could fail);
+    """The devices opened in a thread while the checkpoint's config and tokenizer are read
+    (an Evaluator reads them before it makes its mesh): a TPU's runtime takes seconds to
+    start, mostly outside Python, time that importing transformers can share (docs/speed.md). Joined before the process ends (an exit mid-start could fail);
     an error is left to the main thread's own call, which raises it again."""
     premapped_buffer()
 
