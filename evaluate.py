@@ -760,8 +760,9 @@ def start_processes(cfg: Any) -> None:
 def open_devices_meanwhile() -> None:
     """The devices opened in a thread while the checkpoint's config and tokenizer are read
     (an Evaluator reads them before it makes its mesh): a TPU's runtime takes seconds to
-    start, mostly outside Python, time that importing transformers can share (docs/speed.md). Joined before the process ends (an exit mid-start could fail);
-    an error is left to the main thread's own call, which raises it again."""
+    start, mostly outside Python, time that importing transformers can share (docs/speed.md).
+    Joined before the process ends (an exit mid-start could fail); an error is left to the
+    main thread's own call, which raises it again."""
     premapped_buffer()
 
     def open_devices() -> None:
