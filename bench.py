@@ -232,7 +232,7 @@ class IdTokenizer:
         self.vocab_size, self.bos_token_id, self.eos_token_id = vocab_size, vocab_size - 1, None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> List[int]:
-        return [int(t) for t in text.split()]  # there are no special tokens to add
+        return list(map(int, text.split()))  # there are no special tokens to add
 
     def decode(self, ids: List[int]) -> str:
         return " ".join(map(str, ids))

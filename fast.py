@@ -13,6 +13,7 @@ shared prefix held once.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Any, Iterable, Iterator, List, NamedTuple, Optional, Tuple
 
 import jax
@@ -115,8 +116,8 @@ def make_pack(prefix: List[int], contexts: List[Context]) -> Pack:
         last = len(tokens) - 1 if context.own else len(prefix) - 1
         start = len(prefix) + len(context.own)
         for k, (r, tail) in enumerate(context.members, 1):
-            predictors = [last] + list(range(len(tokens), len(tokens) + len(tail)))
-            scored += [(where, target, len(requests)) for where, target in zip(predictors, r.continuation)]
+            predictors = [last, *range(len(tokens), len(tokens) + len(tail))]
+            scored.extend(zip(predictors, r.continuation, itertools.repeat(len(requests))))
             requests.append(r)
             add(tail, start, q, k)
     return Pack(requests, tokens, positions, [0] * len(tokens), branches, leaves, scored)
@@ -242,7 +243,8 @@ def scored_slots(packs: List[Pack], shares: int, per_share: int, length: int,
         share = i // per_share
         n = counts[share]
         if p.scored:
-            m, (w, t, k) = len(p.scored), np.array(p.scored).T
+            m = len(p.scored)  # np.fromiter reads the tuples several times faster than np.array
+            w, t, k = np.fromiter(itertools.chain.from_iterable(p.scored), np.int32, 3 * m).reshape(m, 3).T
             check_plan(n + m <= per_share * width, p.requests[0].doc,
                        f"{n + m} scored tokens in a share of {per_share} rows of {width} scored slots")
             check_plan(w.max() < len(p.tokens) <= length, p.requests[0].doc,
