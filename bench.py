@@ -353,11 +353,12 @@ def bench_scoring(cfg: BenchConfig, model, variables, mesh, hf, log: CompileLog,
     evaluator = evaluator_for(model, variables, tokenizer, mesh, [evaluation], cfg.batch)
     tokens_BT = np.concatenate([np.full((cfg.batch, 1), tokenizer.bos_token_id, np.int32), docs_BT[:, :-1]], 1)
 
+    kept = evaluation.result(evaluator, tokenizer, keep_rows=True)  # once, untimed: which rows it runs
+    ran_BT = np.stack([tokens_RT[0] for tokens_RT, _ in kept.intermediates])  # one request each
+    assert np.array_equal(ran_BT, tokens_BT), "the project scored other rows than the others"
+
     def project():  # the whole evaluation: requests, padding, transfer, jitted scan, records
-        result = evaluation.result(evaluator, tokenizer, keep_rows=True)
-        ran_BT = np.stack([tokens_RT[0] for tokens_RT, _ in result.intermediates])  # one request each
-        assert np.array_equal(ran_BT, tokens_BT), "the project scored other rows than the others"
-        return -sum(r["nll"] for r in result.records)
+        return -sum(r["nll"] for r in evaluation.result(evaluator, tokenizer).records)
 
     bare = jax.jit(lambda p, x, y: bare_loglik(p, x, y, model.n_head))
     x, y = jnp.asarray(tokens_BT), jnp.asarray(docs_BT)
