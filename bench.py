@@ -353,10 +353,6 @@ def bench_scoring(cfg: BenchConfig, model, variables, mesh, hf, log: CompileLog,
     evaluator = evaluator_for(model, variables, tokenizer, mesh, [evaluation], cfg.batch)
     tokens_BT = np.concatenate([np.full((cfg.batch, 1), tokenizer.bos_token_id, np.int32), docs_BT[:, :-1]], 1)
 
-    kept = evaluation.result(evaluator, tokenizer, keep_rows=True)  # once, untimed: which rows it runs
-    ran_BT = np.stack([tokens_RT[0] for tokens_RT, _ in kept.intermediates])  # one request each
-    assert np.array_equal(ran_BT, tokens_BT), "the project scored other rows than the others"
-
     def project():  # the whole evaluation: requests, padding, transfer, jitted scan, records
         return -sum(r["nll"] for r in evaluation.result(evaluator, tokenizer).records)
 
@@ -373,6 +369,10 @@ def bench_scoring(cfg: BenchConfig, model, variables, mesh, hf, log: CompileLog,
     for name, fn in (more or {}).items():
         contenders[name] = lambda fn=fn: fn(variables, x, y)
     out = race({**contenders, **matmul_contenders(sizes, gpt.dtype_of(cfg.dtype))}, cfg.reps, log)
+    # which rows the evaluation ran, checked after the race (its first call timed with compiling), untimed
+    kept = evaluation.result(evaluator, tokenizer, keep_rows=True)
+    ran_BT = np.stack([tokens_RT[0] for tokens_RT, _ in kept.intermediates])  # one request each
+    assert np.array_equal(ran_BT, tokens_BT), "the project scored other rows than the others"
     peak = matmul_peak(out, sizes)
     sums = {name: float(np.sum(np.asarray(r.pop("out"), np.float64))) for name, r in out.items()}
     for name, value in sums.items():
