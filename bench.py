@@ -1251,11 +1251,15 @@ def make_fixture(cfg: BenchConfig, say: Callable[[str], None]) -> Dict[str, Any]
 
 def evaluate_fixture(fixture: Path, dtype: str, precision: Optional[str], out: Path) -> float:
     """evaluate.py on the fixture in a process of its own, in `dtype`, with jax's default
-    matmul precision set to `precision` (None: jax's own default); its wall seconds."""
+    matmul precision set to `precision` (None: jax's own default); its wall seconds. Its
+    compilation cache is the fixture's own: a machine that made the fixture loads its
+    programs again (the same programs, so the same answers), another compiles its own."""
     args = ["--ckpt", "model", *json.loads((fixture / "args.json").read_text()), "--dtype", dtype,
-            "--max-new-tokens", str(FIXTURE_NEW_TOKENS), "--log-samples", "--quiet", "--no-compile-cache",
-            "--force", "--out", str(out.resolve())]
-    env = {k: v for k, v in os.environ.items() if k != "JAX_DEFAULT_MATMUL_PRECISION"}
+            "--max-new-tokens", str(FIXTURE_NEW_TOKENS), "--log-samples", "--quiet", "--force",
+            "--out", str(out.resolve())]
+    env = {k: v for k, v in os.environ.items()
+           if k != "JAX_DEFAULT_MATMUL_PRECISION" and not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT"))}
+    env.update(XDG_CACHE_HOME=str((fixture / "compile-cache").resolve()), GPT_EVAL_COMPILE_CACHE="1")
     env.update({"JAX_DEFAULT_MATMUL_PRECISION": precision} if precision else {})
     started = time.perf_counter()
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve().parent / "evaluate.py"), *args],

@@ -1981,6 +1981,31 @@ def test_cli_malformed_line_names_file_and_line(tiny_ckpt, tmp_path):
     assert not (tmp_path / "o" / "results.json").exists()
 
 
+AS_MAIN = r"""
+import contextlib, io, json, runpy, sys
+script, runs = sys.argv[1], json.loads(sys.argv[2])
+results = []
+for argv in runs:
+    sys.argv, out, err, status = [script, *argv], io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as e:
+            status = e.code if isinstance(e.code, int) else (e.code is not None)
+    results.append({"status": status, "out": out.getvalue(), "err": err.getvalue()})
+print(json.dumps(results))
+"""
+
+
+def as_main(script, *runs):
+    """`python SCRIPT ARGV` for each ARGV, each run as __main__ by runpy in one fresh process:
+    its exit status, stdout and stderr."""
+    proc = subprocess.run([sys.executable, "-c", AS_MAIN, str(script), json.dumps(runs)], capture_output=True,
+                          text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
 def test_registry_and_jobs_cli(capsys):
     assert {"gpt/evaluate", "backbone/evaluate", "gpt/train/pretrain"} <= set(jobs.JOBS)
     assert jobs.JOBS["gpt/evaluate"] is evaluate.Evaluate
@@ -1993,16 +2018,14 @@ def test_registry_and_jobs_cli(capsys):
     for field in dataclasses.fields(evaluate.EvaluatorConfig):  # every option says what it does
         line = next(l for l in helped.stdout.splitlines() if l.split()[:1] == ["--" + field.name.replace("_", "-")])
         assert field.metadata["help"] in line, line
-    trained = subprocess.run([sys.executable, str(ROOT / "train.py"), "--help"], capture_output=True, text=True)
-    assert trained.returncode == 0 and "--micro-batch-size" in trained.stdout and "optimizer steps" in trained.stdout
-    reinforced = subprocess.run([sys.executable, str(ROOT / "train.py"), "--rl", "--help"], capture_output=True, text=True)
-    assert reinforced.returncode == 0 and "--samples" in reinforced.stdout and "--micro-batch-size" not in reinforced.stdout
-    supervised = subprocess.run([sys.executable, str(ROOT / "train.py"), "--sft", "--help"], capture_output=True,
-                                text=True)
-    assert supervised.returncode == 0 and "--ptx-rows" in supervised.stdout and "--samples" not in supervised.stdout
-    both = subprocess.run([sys.executable, str(ROOT / "train.py"), "--sft", "--init", "x", "--rl"], capture_output=True,
-                          text=True)  # one stage a run
-    assert both.returncode == 2 and both.stderr.count("\n") == 1 and "unknown option --rl" in both.stderr, both.stderr
+    # `python train.py ARGS` four times, its __main__ run by runpy in one process (a start-up each is 5 s)
+    trained, reinforced, supervised, both = as_main(ROOT / "train.py", ["--help"], ["--rl", "--help"],
+                                                    ["--sft", "--help"], ["--sft", "--init", "x", "--rl"])
+    assert trained["status"] == 0 and "--micro-batch-size" in trained["out"] and "optimizer steps" in trained["out"]
+    assert reinforced["status"] == 0 and "--samples" in reinforced["out"] and "--micro-batch-size" not in reinforced["out"]
+    assert supervised["status"] == 0 and "--ptx-rows" in supervised["out"] and "--samples" not in supervised["out"]
+    # one stage a run
+    assert both["status"] == 2 and both["err"].count("\n") == 1 and "unknown option --rl" in both["err"], both["err"]
     for args, needle in [(["nope/job"], "unknown job"), (["gpt/train/pretrain", "--stepz", "3"], "--stepz"),
                          (["gpt/train/pretrain", "--steps", "three"], "must be int"),
                          (["gpt/train/pretrain", "--steps", "0"], "--steps"), (["gpt/train/rl"], "--init CKPT is needed"),
