@@ -102,6 +102,14 @@ def option(default: Any, help: str) -> Any:
     return dataclasses.field(default=default, metadata={"help": help})
 
 
+def option_types(config_cls: type) -> Dict[str, Any]:
+    """The field types of a config dataclass, its annotations (strings: postponed evaluation)
+    read among its module's names, typing's where that module is not the one that ran
+    (`python -m cProfile evaluate.py`: its __main__ is then cProfile's)."""
+    module = sys.modules.get(config_cls.__module__)
+    return typing.get_type_hints(config_cls, globalns={**vars(typing), **(vars(module) if module else {})})
+
+
 def parse_options(config_cls: type, argv: List[str]) -> Any:
     """Fill dataclass `config_cls` from ['--name', 'value', '--flag', '--name=value', ...].
 
@@ -109,7 +117,7 @@ def parse_options(config_cls: type, argv: List[str]) -> Any:
     fields repeat (--data a --data b). Unknown names and badly typed values fail.
     """
     fields = {f.name: f for f in dataclasses.fields(config_cls)}
-    hints = typing.get_type_hints(config_cls)
+    hints = option_types(config_cls)
     values: Dict[str, Any] = {}
     args = list(argv)
     while args:
@@ -142,7 +150,7 @@ def options_of(config_cls: type, values: Dict[str, Any], spell: Callable[[str], 
     its parser's ints, floats, booleans and None), each checked as parse_options checks the
     command line's: unknown names refused, a value's text converted to the field's type
     (True is 'True', no int), None only where a field takes it. `spell` names a field in errors."""
-    hints = typing.get_type_hints(config_cls)
+    hints = option_types(config_cls)
     unknown = sorted(set(values) - set(hints))
     if unknown:
         known = ", ".join(f.name for f in dataclasses.fields(config_cls))
@@ -154,7 +162,7 @@ def options_of(config_cls: type, values: Dict[str, Any], spell: Callable[[str], 
 
 def usage(config_cls: type) -> str:
     """Every option of a config dataclass: name, type, default, and what it does."""
-    hints = typing.get_type_hints(config_cls)
+    hints = option_types(config_cls)
     lines = [(config_cls.__doc__ or config_cls.__name__).strip().splitlines()[0], ""]
     for f in dataclasses.fields(config_cls):
         kind, inner = hints[f.name], typing.get_args(hints[f.name])

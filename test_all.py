@@ -2018,6 +2018,10 @@ def test_registry_and_jobs_cli(capsys):
     for field in dataclasses.fields(evaluate.EvaluatorConfig):  # every option says what it does
         line = next(l for l in helped.stdout.splitlines() if l.split()[:1] == ["--" + field.name.replace("_", "-")])
         assert field.metadata["help"] in line, line
+    # under a profiler's __main__ (cProfile's, not evaluate.py's) the options' types still resolve
+    profiled = subprocess.run([sys.executable, "-m", "cProfile", "-o", os.devnull, str(ROOT / "evaluate.py"),
+                               "--help"], capture_output=True, text=True, cwd=ROOT)
+    assert profiled.returncode == 0 and "--ckpt" in profiled.stdout, profiled.stderr[-2000:]
     # `python train.py ARGS` four times, its __main__ run by runpy in one process (a start-up each is 5 s)
     trained, reinforced, supervised, both = as_main(ROOT / "train.py", ["--help"], ["--rl", "--help"],
                                                     ["--sft", "--help"], ["--sft", "--init", "x", "--rl"])
