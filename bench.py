@@ -1249,6 +1249,13 @@ def make_fixture(cfg: BenchConfig, say: Callable[[str], None]) -> Dict[str, Any]
     return {"fixture": str(folder), "vocab": vocab}
 
 
+def cache_env(cache: Path) -> Dict[str, str]:
+    """This environment for a process of evaluate.py with its default persistent compilation
+    cache under `cache` (as XDG_CACHE_HOME), jax's own cache settings left out."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT"))}
+    return {**env, "XDG_CACHE_HOME": str(Path(cache).resolve()), "GPT_EVAL_COMPILE_CACHE": "1"}
+
+
 def evaluate_fixture(fixture: Path, dtype: str, precision: Optional[str], out: Path) -> float:
     """evaluate.py on the fixture in a process of its own, in `dtype`, with jax's default
     matmul precision set to `precision` (None: jax's own default); its wall seconds. Its
@@ -1257,9 +1264,8 @@ def evaluate_fixture(fixture: Path, dtype: str, precision: Optional[str], out: P
     args = ["--ckpt", "model", *json.loads((fixture / "args.json").read_text()), "--dtype", dtype,
             "--max-new-tokens", str(FIXTURE_NEW_TOKENS), "--log-samples", "--quiet", "--force",
             "--out", str(out.resolve())]
-    env = {k: v for k, v in os.environ.items()
-           if k != "JAX_DEFAULT_MATMUL_PRECISION" and not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT"))}
-    env.update(XDG_CACHE_HOME=str((fixture / "compile-cache").resolve()), GPT_EVAL_COMPILE_CACHE="1")
+    env = cache_env(fixture / "compile-cache")
+    env.pop("JAX_DEFAULT_MATMUL_PRECISION", None)
     env.update({"JAX_DEFAULT_MATMUL_PRECISION": precision} if precision else {})
     started = time.perf_counter()
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve().parent / "evaluate.py"), *args],
@@ -1364,8 +1370,7 @@ def timed_run(args: List[str], out: Path, cache: Path) -> Dict[str, Any]:
 
 def timed_process(argv: List[str], cache: Path, cwd: Path) -> float:
     """Wall seconds of `python ARGV` in a process of its own, its compilation cache in `cache`."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT"))}
-    env.update(XDG_CACHE_HOME=str(cache), GPT_EVAL_COMPILE_CACHE="1")
+    env = cache_env(cache)
     for attempt in range(2):  # a TPU can refuse a process that starts just as the last one ends: once more
         started = time.perf_counter()
         proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, cwd=cwd)
