@@ -1642,6 +1642,35 @@ def test_the_simple_path_is_a_plain_forward_pass_and_gpt_generate(fuzz, requests
             == plain_generate(small, tokenizer, requests, n_new, *sampling, 1))
 
 
+def test_the_simple_path_runs_none_of_the_fast_mechanisms():
+    """`--simple`, the path a reader follows and the fast one is tested against, stays simple:
+    a multiple-choice item and a generated prompt through it run no function of fast.py and,
+    of gpt.py's attention, only attend_reference (traced afresh: a model no other test builds)."""
+    model = gpt.GPT(n_layers=1, n_embd=32, n_head=2, block_size=48, vocab_size=320)
+    mesh = mesh_of()
+    ran = set()
+
+    def on_call(frame, event, arg):
+        if event == "call" and Path(frame.f_code.co_filename).parent == ROOT:
+            ran.add((Path(frame.f_code.co_filename).name, frame.f_code.co_name))
+
+    evaluations = [evaluate.MultipleChoiceEvaluation("mc", MC[:1]),
+                   evaluate.RolloutEvaluation("gen", GEN[:1], max_new_tokens=3)]
+    ev = evaluate.Evaluator.from_parts(jobs.ExecutionSpec(name="test", out_dir="/nonexistent"), model,
+                                       gpt.init_params(model, mesh), jobs.ByteTokenizer(), mesh, evaluations,
+                                       evaluate.EvaluatorConfig(quiet=True, simple=True))
+    sys.setprofile(on_call)
+    try:
+        for evaluation in evaluations:
+            evaluation.result(ev, ev.tokenizer)
+    finally:
+        sys.setprofile(None)
+    attention = {name for file, name in ran if file == "gpt.py" and name.startswith(("attend", "splash", "put_tile"))}
+    assert attention == {"attend_reference"} and ("gpt.py", "generate") in ran
+    assert {name for file, name in ran if file == "fast.py"} == set(), ran
+    assert ("inference.py", "simple_scored") in ran and ("inference.py", "simple_generations") in ran
+
+
 # the shapes each platform gets (inference.SHAPES), searched on this CPU
 SHAPES_OF = {"cpu": inference.SHAPES["cpu"], "accelerator": inference.ACCELERATOR_SHAPES}
 PLATFORMS = list(SHAPES_OF)
