@@ -1266,7 +1266,8 @@ def evaluate_fixture(fixture: Path, dtype: str, precision: Optional[str], out: P
             "--out", str(out.resolve())]
     env = cache_env(fixture / "compile-cache")
     env.pop("JAX_DEFAULT_MATMUL_PRECISION", None)
-    env.update({"JAX_DEFAULT_MATMUL_PRECISION": precision} if precision else {})
+    if precision:
+        env["JAX_DEFAULT_MATMUL_PRECISION"] = precision
     started = time.perf_counter()
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve().parent / "evaluate.py"), *args],
                           capture_output=True, text=True, env=env, cwd=fixture)
