@@ -695,13 +695,14 @@ NAMES, ITEMS = ("Tom", "Ana", "Lee", "Sam", "Mia", "Raj"), ("apples", "books", "
 
 # The project's side: what `python evaluate.py ARGS` runs, then the work its InferenceJob
 # counted, as one JSON line. A script of its own, so that it imports what the command line
-# imports (no torch, not bench.py).
+# imports (not torch, not bench.py).
 OUR_SIDE = """
 import json, sys
 import jax
 import evaluate
 from checkpoints import Node
-from jobs import ExecutionSpec, parse_options, use_compile_cache
+from jobs import ExecutionSpec, leave_torch_unloaded, parse_options, use_compile_cache
+leave_torch_unloaded()
 compiled, loaded = [], []
 
 def on_event(event, **meta):  # a hit comes within its program's compile event
@@ -1796,13 +1797,15 @@ def compile_table(cfg: BenchConfig, r: Dict[str, Any]) -> str:
 
 # ----------------------------------------------------------------------------- loading
 
-# Run in a fresh process, so that its peak memory is the load's: imports, then the load onto
-# a mesh of every device (blocked until placed), then what it measured as one JSON line.
+# Run in a fresh process, so that its peak memory is the load's: the command line's imports
+# (not torch), then the load onto a mesh of every device (blocked until placed), then what
+# it measured as one JSON line.
 LOAD_SIDE = """
 import json, sys, time
 import jax
-import checkpoints, gpt
+import checkpoints, gpt, jobs
 from hf import load_backbone
+jobs.leave_torch_unloaded()
 
 def rss(field):
     with open("/proc/self/status") as f:
@@ -1823,10 +1826,11 @@ print(json.dumps({"seconds": seconds, "cpu_seconds": cpu_seconds, "rss_before": 
 
 
 # `python evaluate.py --ckpt DIR --dtype D --data ppl:FILE` in this process, then its peak
-# memory: loading and a forward pass, as a user runs it
+# memory: loading and a forward pass, as a user runs it (torch left unloaded, as there)
 EVALUATE_SIDE = """
 import json, sys
-import evaluate
+import evaluate, jobs
+jobs.leave_torch_unloaded()
 
 status = evaluate.main(sys.argv[1:])
 with open("/proc/self/status") as f:

@@ -40,8 +40,8 @@ from inference import (MIN_TEMPERATURE, GenerationRequest, InferenceJob, Request
                        Request, Scored, per_document)
 from checkpoints import Node, model_config
 from jobs import (ByteTokenizer, ExecutionSpec, ModelOptions, UsageError, builtin_items, exit_status, first_line,
-                  is_checkpoint_file, is_eval_item, job, lean_cpu_schedules, option, parse_options,
-                  premapped_buffer, short, use_compile_cache)
+                  is_checkpoint_file, is_eval_item, job, lean_cpu_schedules, leave_torch_unloaded, option,
+                  parse_options, premapped_buffer, short, use_compile_cache)
 from runs import (JOURNAL_FILE, KINDS, Journal, JsonlDataset, compile_log, journaling, out_dir_held, previous_run,
                   run_fingerprint)
 from tasks import LM_EVAL, check_task_options, run_tasks
@@ -800,4 +800,5 @@ def main(argv: List[str]) -> int:
 
 
 if __name__ == "__main__":
+    leave_torch_unloaded()
     sys.exit(main(sys.argv[1:]))

@@ -819,6 +819,20 @@ def premapped_buffer() -> None:
     os.environ.setdefault("TPU_PREMAPPED_BUFFER_SIZE", str(PREMAPPED_BYTES))
 
 
+def leave_torch_unloaded() -> None:
+    """For a process of the command line, before transformers is imported: where torch is
+    installed, transformers imports it (and torch.distributed) to read a config or a
+    tokenizer, seconds of every run, though nothing here runs torch. With torch hidden it
+    reads them as in a bare install of requirements.txt. A task whose own code imports
+    torch gets it back (tasks.build_tasks). Not for a process that imports this module
+    as a library: its torch stays as it is."""
+    sys.modules.setdefault("torch", None)  # `import torch` fails; find_spec("torch") is None
+
+
+def torch_hidden() -> bool:
+    return "torch" in sys.modules and sys.modules["torch"] is None
+
+
 COMPILE_CACHE_BYTES = 2 << 30  # the persistent cache's bound; the least recently used programs go first
 
 
@@ -869,4 +883,5 @@ def main(argv: List[str]) -> int:
 if __name__ == "__main__":
     # Run as the module `jobs`, not as this `__main__` copy of it: the jobs raise
     # jobs.UsageError, and exit_status must catch that very class.
+    leave_torch_unloaded()
     sys.exit(importlib.import_module("jobs").main(sys.argv[1:]))

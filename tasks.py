@@ -33,7 +33,7 @@ import numpy as np
 
 from hf import load_model, resolve_checkpoint
 from inference import MIN_TEMPERATURE, GenerationRequest, InferenceJob, Request
-from jobs import ExecutionSpec, ModelOptions, UsageError, first_line, option, options_of, short
+from jobs import ExecutionSpec, ModelOptions, UsageError, first_line, option, options_of, short, torch_hidden
 
 try:  # only --tasks needs lm-eval (these parts load in a fraction of a second)
     import jinja2  # a dependency of lm-eval (and of transformers' chat templates)
@@ -447,7 +447,7 @@ def build_tasks(manager: Any, names: List[str], num_fewshot: Optional[int]) -> L
     built = []
     for name in names:
         try:
-            loaded = manager.load(name)
+            loaded = load_task(manager, name)
         except (TypeError, ValueError) as e:  # lm-eval reads a YAML's values as it builds ("temperature: hot")
             raise UsageError(f"--tasks: lm-eval cannot build {name} ({first_line(e)})") from None
         members = {child for group in loaded["groups"].values() for child in group.child_names}
@@ -455,6 +455,18 @@ def build_tasks(manager: Any, names: List[str], num_fewshot: Optional[int]) -> L
         for task in loaded["tasks"].values():
             check_fewshot(task, num_fewshot)
     return built
+
+
+def load_task(manager: Any, name: str) -> Dict[str, Any]:
+    """lm-eval's manager.load(name); a task whose own code imports torch, which the command
+    line hides (jobs.leave_torch_unloaded), is loaded again with torch in reach."""
+    try:
+        return manager.load(name)
+    except ImportError as e:
+        if e.name != "torch" or not torch_hidden():
+            raise
+    del sys.modules["torch"]
+    return manager.load(name)
 
 
 def check_fewshot(task: Any, num_fewshot: Optional[int]) -> None:

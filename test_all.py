@@ -1945,9 +1945,9 @@ def child_env(devices, **changes):
     return {**os.environ, "XLA_FLAGS": flags, **changes}
 
 
-def cli(*args, devices=2, timeout=300):
+def cli(*args, devices=2, timeout=300, **env_changes):
     """`python evaluate.py ARGS` in a fresh process with `devices` simulated CPU devices."""
-    env = child_env(devices)
+    env = child_env(devices, **env_changes)
     return subprocess.run([sys.executable, str(ROOT / "evaluate.py"), *map(str, args)],
                           capture_output=True, text=True, env=env, timeout=timeout)
 
@@ -3315,11 +3315,17 @@ def test_huggingface_model_saved_native_reloads_identically(hf_models, tmp_path)
 
 @needs_torch
 def test_cli_on_a_huggingface_directory(hf_models, tmp_path):
+    """Its scores are transformers', in float32 and bfloat16, and the process reads the
+    config and the tokenizer through transformers without importing torch (installed here)."""
     path, hf = hf_models["gpt2"]
     docs = tmp_path / "docs.jsonl"
     docs.write_text("".join(json.dumps(d) + "\n" for d in HARNESS_DOCS[:2]))
-    proc = cli("--ckpt", path, "--data", f"ppl:{docs}", "--out", tmp_path / "o", "--log-samples", "--quiet")
+    proc = cli("--ckpt", path, "--data", f"ppl:{docs}", "--out", tmp_path / "o", "--log-samples", "--quiet",
+               PYTHONPROFILEIMPORTTIME="1")  # a line on stderr for each module imported
     assert proc.returncode == 0, proc.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert {"transformers.configuration_utils", "transformers.tokenization_utils_base", "tokenizers"} <= imported
+    assert not {name for name in imported if name.split(".")[0] == "torch"}
     results = json.loads((tmp_path / "o" / "results.json").read_text())
     assert results["job"] == "backbone/evaluate"
     tok = HFTokenizer(path)
@@ -3770,6 +3776,7 @@ def write_harness_tasks(task_dir, data_dir, stand_in, model, tokenizer, n=6):
     for name, fields in variants.items():  # includes relative to this directory
         (Path(task_dir) / f"{name}.yaml").write_text(json.dumps({"task": name, **fields}))
     write_clash_task(task_dir, data_dir, stand_in)
+    write_torch_task(task_dir, data_dir)
 
 
 def write_clash_task(task_dir, data_dir, stand_in):
@@ -3792,12 +3799,24 @@ def write_clash_task(task_dir, data_dir, stand_in):
         "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n")
 
 
+def write_torch_task(task_dir, data_dir):
+    """A task whose utils.py imports torch (as evalita_llm's metrics do), which the command
+    line leaves unloaded until a task needs it. It scores 1 when torch works there."""
+    (Path(task_dir) / "torch_utils.py").write_text(
+        "import torch\n\n\ndef process_results(doc, results):\n"
+        "    return {'acc': float(torch.ones(2).sum().item() == 2.0)}\n")
+    (Path(task_dir) / "local_torch_utils.yaml").write_text(
+        (Path(task_dir) / "local_hf_evaluate.yaml").read_text().replace("local_hf_evaluate", "local_torch_utils")
+        .replace("clash_utils", "torch_utils"))
+
+
 PARITY_TASKS = ["local_hellaswag", "local_hellaswag_2shot", "local_arc_easy", "local_lambada", "local_wikitext",
                 "local_gsm8k"]
-OURS_ONLY = ["local_gsm8k_sampled", "local_hf_evaluate"]
+OURS_ONLY = ["local_gsm8k_sampled", "local_hf_evaluate", "local_torch_utils"]
 CHAT_TASKS = ["local_hellaswag", "local_arc_easy", "local_lambada", "local_gsm8k"]  # 0-shot and 2-shot as turns
 VARIANTS = [("plain", PARITY_TASKS, OURS_ONLY, False), ("chat", CHAT_TASKS, [], True)]  # lm-eval's, ours too, chat
-CLI_TASKS = ["local_lambada", "local_wikitext", "local_gsm8k", "local_hf_evaluate"]  # the three request types
+CLI_TASKS = ["local_lambada", "local_wikitext", "local_gsm8k", "local_hf_evaluate",  # the three request types
+             "local_torch_utils"]
 
 
 def harness_config(task_dir, tasks, chat):
@@ -4006,7 +4025,7 @@ def assert_close_values(a, b, rtol):
 def test_lm_eval_tasks_on_two_processes_over_a_4x2_mesh(harness, tmp_path):
     """The command line as two processes of 4 devices, one 4x2 mesh over both: every answer as
     on one device, a task importing HuggingFace's `evaluate` works when evaluate.py is the
-    script, only process 0 writes, lm-eval's make_table reads our results file, and
+    script, and one importing torch, only process 0 writes, lm-eval's make_table reads our results file, and
     results.json gains the tasks' scores."""
     from lm_eval.loggers.evaluation_tracker import GeneralConfigTracker
     from lm_eval.utils import make_table
@@ -4041,6 +4060,7 @@ def test_lm_eval_tasks_on_two_processes_over_a_4x2_mesh(harness, tmp_path):
             assert_close_values(line["resps"], reference["resps"], rtol=1e-5)
             assert_close_values(line["filtered_resps"], reference["filtered_resps"], rtol=1e-5)
     assert written["results"]["local_hf_evaluate"]["acc,none"] == 1.0  # evaluate.py as the script
+    assert written["results"]["local_torch_utils"]["acc,none"] == 1.0  # torch, once a task imports it
     # results.json: our format, the tasks' scores under "<task>/<metric>,<filter>"
     name = "local_lambada/acc,none"
     assert summary["results"][name] == written["results"]["local_lambada"]["acc,none"]

@@ -648,4 +648,5 @@ if __name__ == "__main__":
     args = list(sys.argv[1:])
     if flag:
         args.remove(flag)
+    jobs.leave_torch_unloaded()
     sys.exit(jobs.main([stages.get(flag, BaseTrainer.KEY), *args]))
