@@ -47,8 +47,8 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 import gpt
 from checkpoints import (Node, TensorFiles, check_model_fields, concatenated, flatten, load_checkpoint, param_shapes,
                          read_config, split, stacked, stacked_layers)
-from jobs import (CHAT_TEMPLATES, TOKENIZER_FILES, HFTokenizer, UsageError, exit_status, first_line, load_tokenizer,
-                  read_json, short)
+from jobs import (CHAT_TEMPLATES, TOKENIZER_FILES, HFTokenizer, UsageError, exit_status, first_line,
+                  leave_torch_unloaded, load_tokenizer, read_json, short)
 
 SUPPORTED = ("gpt2", "llama", "qwen2", "qwen3", "gpt_neox", "mistral", "gemma3_text", "gemma2", "phi3", "olmo2",
              "granite", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
@@ -726,4 +726,5 @@ if __name__ == "__main__":
     if len(sys.argv) != 2 or sys.argv[1].startswith("-"):
         print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
         sys.exit(2)
+    leave_torch_unloaded()
     sys.exit(exit_status(lambda: describe(sys.argv[1])))

@@ -824,7 +824,7 @@ def leave_torch_unloaded() -> None:
     installed, transformers imports it (and torch.distributed) to read a config or a
     tokenizer, seconds of every run, though nothing here runs torch. With torch hidden it
     reads them as in a bare install of requirements.txt. A task whose own code imports
-    torch gets it back (tasks.build_tasks). Not for a process that imports this module
+    torch gets it back (tasks.load_task). Not for a process that imports this module
     as a library: its torch stays as it is."""
     sys.modules.setdefault("torch", None)  # `import torch` fails; find_spec("torch") is None
 
