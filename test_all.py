@@ -3776,7 +3776,7 @@ def write_harness_tasks(task_dir, data_dir, stand_in, model, tokenizer, n=6):
     for name, fields in variants.items():  # includes relative to this directory
         (Path(task_dir) / f"{name}.yaml").write_text(json.dumps({"task": name, **fields}))
     write_clash_task(task_dir, data_dir, stand_in)
-    write_torch_task(task_dir, data_dir)
+    write_torch_task(task_dir)
 
 
 def write_clash_task(task_dir, data_dir, stand_in):
@@ -3799,9 +3799,10 @@ def write_clash_task(task_dir, data_dir, stand_in):
         "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n")
 
 
-def write_torch_task(task_dir, data_dir):
+def write_torch_task(task_dir):
     """A task whose utils.py imports torch (as evalita_llm's metrics do), which the command
-    line leaves unloaded until a task needs it. It scores 1 when torch works there."""
+    line leaves unloaded until a task needs it. It scores 1 when torch works there; its data
+    and fields are local_hf_evaluate's."""
     (Path(task_dir) / "torch_utils.py").write_text(
         "import torch\n\n\ndef process_results(doc, results):\n"
         "    return {'acc': float(torch.ones(2).sum().item() == 2.0)}\n")
@@ -4025,8 +4026,8 @@ def assert_close_values(a, b, rtol):
 def test_lm_eval_tasks_on_two_processes_over_a_4x2_mesh(harness, tmp_path):
     """The command line as two processes of 4 devices, one 4x2 mesh over both: every answer as
     on one device, a task importing HuggingFace's `evaluate` works when evaluate.py is the
-    script, and one importing torch, only process 0 writes, lm-eval's make_table reads our results file, and
-    results.json gains the tasks' scores."""
+    script, and one importing torch, only process 0 writes, lm-eval's make_table reads our
+    results file, and results.json gains the tasks' scores."""
     from lm_eval.loggers.evaluation_tracker import GeneralConfigTracker
     from lm_eval.utils import make_table
     runs, model_dir, task_dir, stand_in = harness[:4]
