@@ -403,15 +403,12 @@ class AttentionConfig:
 #   tile: whether a decoding step writes the whole tile of the cache around its slot,
 #     put back by one DMA (write_tile, put_tile), where a TPU would write the one row piece
 #     by piece.
-#   whole: whether a decoding step of several rows keeps its q, k, v projections whole (an
-#     optimization barrier), where a TPU would fold the split into heads into q's and k's
-#     matmuls and copy each layer's slice of their stacked weights to do so.
 BACKEND_ATTENTION = {
-    "cpu": dict(half="xla", full="xla", step="sums", rows="device", lanes=0, tile=False, whole=False),
-    "gpu": dict(half="cudnn", full="xla", step="sums", rows="all", lanes=0, tile=False, whole=False),
-    "tpu": dict(half="splash", full="xla", step="dots", rows="all", lanes=128, tile=True, whole=True),
+    "cpu": dict(half="xla", full="xla", step="sums", rows="device", lanes=0, tile=False),
+    "gpu": dict(half="cudnn", full="xla", step="sums", rows="all", lanes=0, tile=False),
+    "tpu": dict(half="splash", full="xla", step="dots", rows="all", lanes=128, tile=True),
 }
-OTHER_BACKEND = dict(half="xla", full="xla", step="sums", rows="all", lanes=0, tile=False, whole=False)
+OTHER_BACKEND = dict(half="xla", full="xla", step="sums", rows="all", lanes=0, tile=False)
 TILE_BYTES = 32  # a TPU tile's rows times their values' bytes: 8 rows of float32, 16 of bfloat16
 ATTENTIONS = ("fast", "reference", "xla", "cudnn", "splash")  # GPT.attention ("reference": attend_reference)
 STEP_ATTENTIONS = ("fast", "sums", "dots")  # GPT.step_attention
@@ -671,12 +668,9 @@ class Attention(Module):
         GPT.decode); layer.prefix: the cache's shared (k_KQE, v_KQE) or None."""
         c = self.cfg
         B, T, D = x_BTD.shape
-        q_BTD, k_BTD, v_BTD = self.q(x_BTD), self.k(x_BTD), self.v(x_BTD)
-        if layer.kv is not None and not fresh and T == 1 and B > 1 and backend_choice("whole"):
-            q_BTD, k_BTD, v_BTD = jax.lax.optimization_barrier((q_BTD, k_BTD, v_BTD))  # plain matmuls
-        q_BTHE = q_BTD.reshape(B, T, c.n_head, c.head_dim)
-        k_BTKE = k_BTD.reshape(B, T, c.n_kv_head, c.head_dim)
-        v_BTKE = v_BTD.reshape(B, T, c.n_kv_head, c.head_dim)
+        q_BTHE = self.q(x_BTD).reshape(B, T, c.n_head, c.head_dim)
+        k_BTKE = self.k(x_BTD).reshape(B, T, c.n_kv_head, c.head_dim)
+        v_BTKE = self.v(x_BTD).reshape(B, T, c.n_kv_head, c.head_dim)
         if c.qk_norm and c.qk_norm_full:  # OLMo 2: over all heads' width, the projection as it comes
             q_BTHE = self.q_norm(q_BTHE.reshape(B, T, -1)).reshape(q_BTHE.shape)
             k_BTKE = self.k_norm(k_BTKE.reshape(B, T, -1)).reshape(k_BTKE.shape)

@@ -498,7 +498,7 @@ def test_each_backend_names_a_known_way_and_falls_back_where_it_cannot(monkeypat
     backend's (a TPU: splash in bfloat16, XLA's in float32); a fused kernel falls back to
     XLA's under a mask, cuDNN's with a soft-cap, splash's where T is no multiple of 128."""
     known = dict(half=gpt.ATTENTIONS[2:], full=gpt.ATTENTIONS[2:], step=gpt.STEP_ATTENTIONS[1:],
-                 rows=("all", "device"), lanes=(0, 128), tile=(False, True), whole=(False, True))
+                 rows=("all", "device"), lanes=(0, 128), tile=(False, True))
     for row in [*gpt.BACKEND_ATTENTION.values(), gpt.OTHER_BACKEND]:
         assert row.keys() == known.keys() and all(row[k] in known[k] for k in row), row
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
@@ -1393,8 +1393,7 @@ def test_fast_attention_equals_the_reference_attention(name, lengths, prefix, fr
     once (KVCache.prefix_keys), on every family's options; a step's grouped heads by sums or
     dots (gpt.BACKEND_ATTENTION), its own key and value beside the cache's (attend's `own`);
     the cache's slots one to a row or per_row side by side (a TPU's, gpt.slots_per_row), a
-    step's written into its row or its whole tile and its projections whole (a TPU's,
-    gpt.write_tile, BACKEND_ATTENTION's whole)."""
+    step's written into its row or its whole tile (a TPU's, gpt.write_tile)."""
     model = tiny(**CONFIGS[name], query_block=block, step_attention=step)
     model = model.clone(cache_lanes=per_row * model.head_width if per_row > 1 else 0)
     prefix = 0 if model.sliding_window is not None else prefix  # a shared prefix counts no window
@@ -1422,8 +1421,7 @@ def test_fast_attention_equals_the_reference_attention(name, lengths, prefix, fr
         cache = m.init_cache(len(rows), slots(per_tile if tile and slots(per_tile) <= longest else per_row), held)
         step, cache = extend(variables, idx, mask, cache, fresh and not prefix)
         steps_BNV = [np.asarray(step)]
-        with mock.patch.dict(gpt.BACKEND_ATTENTION[jax.default_backend()], tile=tile and m is model,
-                             whole=tile and m is model):
+        with mock.patch.dict(gpt.BACKEND_ATTENTION[jax.default_backend()], tile=tile and m is model):
             for t in range(steps):
                 step, cache = extend(variables, extra[:, t:t + 1], np.ones((len(rows), 1), bool), cache)
                 steps_BNV.append(np.asarray(step))
