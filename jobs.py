@@ -823,14 +823,21 @@ def leave_torch_unloaded() -> None:
     """For a process of the command line, before transformers is imported: where torch is
     installed, transformers imports it (and torch.distributed) to read a config or a
     tokenizer, seconds of every run, though nothing here runs torch. With torch hidden it
-    reads them as in a bare install of requirements.txt. A task whose own code imports
-    torch gets it back (tasks.load_task). Not for a process that imports this module
-    as a library: its torch stays as it is."""
+    reads them as in a bare install of requirements.txt. lm-eval's tasks get it back
+    (let_torch_load). Not for a process that imports this module as a library: its torch
+    stays as it is."""
     sys.modules.setdefault("torch", None)  # `import torch` fails; find_spec("torch") is None
 
 
-def torch_hidden() -> bool:
-    return "torch" in sys.modules and sys.modules["torch"] is None
+def let_torch_load() -> None:
+    """Torch, if leave_torch_unloaded hid it, importable again, for lm-eval's tasks: a
+    task's own code may import it, and datasets imports it wherever "torch" is in
+    sys.modules (a hidden one too, which then fails). transformers keeps reading configs and
+    tokenizers without it: it asks whether torch is there once (asked here, while hidden)."""
+    if "torch" in sys.modules and sys.modules["torch"] is None:
+        from transformers.utils.import_utils import is_torch_available
+        is_torch_available()  # cached: False
+        del sys.modules["torch"]
 
 
 COMPILE_CACHE_BYTES = 2 << 30  # the persistent cache's bound; the least recently used programs go first

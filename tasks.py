@@ -33,7 +33,7 @@ import numpy as np
 
 from hf import load_model, resolve_checkpoint
 from inference import MIN_TEMPERATURE, GenerationRequest, InferenceJob, Request
-from jobs import ExecutionSpec, ModelOptions, UsageError, first_line, option, options_of, short, torch_hidden
+from jobs import ExecutionSpec, ModelOptions, UsageError, first_line, let_torch_load, option, options_of, short
 
 try:  # only --tasks needs lm-eval (these parts load in a fraction of a second)
     import jinja2  # a dependency of lm-eval (and of transformers' chat templates)
@@ -413,7 +413,7 @@ def evaluate_tasks(lm: JaxLM, cfg: Any) -> Dict[str, Any]:
         logging.getLogger("lm_eval").setLevel(logging.ERROR)
     os.environ.setdefault("DISABLE_MULTIPROC", "1")  # else lm-eval's bootstrap forks this JAX process
     names = task_names(c.tasks)
-    with hf_evaluate_importable(), missing_modules_refused():
+    with hf_evaluate_importable(), missing_modules_refused(), torch_left_to_tasks():
         manager = task_manager(names, c.include_path)
         check_task_names(manager, names, c.include_path)
         built = build_tasks(manager, names, c.num_fewshot)
@@ -428,6 +428,21 @@ def evaluate_tasks(lm: JaxLM, cfg: Any) -> Dict[str, Any]:
                          model_args={"pretrained": c.ckpt, "dtype": c.dtype, "mesh": mesh,
                                      "processes": jax.process_count()})
     return out
+
+
+@contextlib.contextmanager
+def torch_left_to_tasks() -> Iterator[None]:
+    """Inside, torch is importable (jobs.let_torch_load: a task's own code may import it, and
+    datasets does), but lm-eval does not import it for its own sake: it asks whether torch
+    is installed to seed it and to describe it in the results (torch's collect_env, seconds
+    of subprocesses), and this backend runs none, so inside the answer is no."""
+    let_torch_load()
+    installed = lm_eval.utils.is_torch_available
+    lm_eval.utils.is_torch_available = lambda: False
+    try:
+        yield
+    finally:
+        lm_eval.utils.is_torch_available = installed
 
 
 @contextlib.contextmanager
@@ -447,7 +462,7 @@ def build_tasks(manager: Any, names: List[str], num_fewshot: Optional[int]) -> L
     built = []
     for name in names:
         try:
-            loaded = load_task(manager, name)
+            loaded = manager.load(name)
         except (TypeError, ValueError) as e:  # lm-eval reads a YAML's values as it builds ("temperature: hot")
             raise UsageError(f"--tasks: lm-eval cannot build {name} ({first_line(e)})") from None
         members = {child for group in loaded["groups"].values() for child in group.child_names}
@@ -455,18 +470,6 @@ def build_tasks(manager: Any, names: List[str], num_fewshot: Optional[int]) -> L
         for task in loaded["tasks"].values():
             check_fewshot(task, num_fewshot)
     return built
-
-
-def load_task(manager: Any, name: str) -> Dict[str, Any]:
-    """lm-eval's manager.load(name); a task whose own code imports torch, which the command
-    line hides (jobs.leave_torch_unloaded), is loaded again with torch in reach."""
-    try:
-        return manager.load(name)
-    except ImportError as e:
-        if e.name != "torch" or not torch_hidden():
-            raise
-    del sys.modules["torch"]
-    return manager.load(name)
 
 
 def check_fewshot(task: Any, num_fewshot: Optional[int]) -> None:

@@ -3316,11 +3316,20 @@ def test_huggingface_model_saved_native_reloads_identically(hf_models, tmp_path)
 @needs_torch
 def test_cli_on_a_huggingface_directory(hf_models, tmp_path):
     """Its scores are transformers', in float32 and bfloat16, and the process reads the
-    config and the tokenizer through transformers without importing torch (installed here)."""
+    config and the tokenizer through transformers without importing torch (installed here),
+    lm-eval's tasks included (where lm-eval is installed: a task from a JSON file beside)."""
     path, hf = hf_models["gpt2"]
     docs = tmp_path / "docs.jsonl"
     docs.write_text("".join(json.dumps(d) + "\n" for d in HARNESS_DOCS[:2]))
-    proc = cli("--ckpt", path, "--data", f"ppl:{docs}", "--out", tmp_path / "o", "--log-samples", "--quiet",
+    task = []
+    if tasks.lm_eval is not None:
+        (tmp_path / "choose.yaml").write_text(json.dumps(
+            {"task": "choose", "dataset_path": "json", "dataset_name": None, "test_split": "test",
+             "dataset_kwargs": {"data_files": {"test": str(write_jsonl(tmp_path / "q.jsonl", MC[:2]))}},
+             "doc_to_text": "context", "output_type": "multiple_choice", "doc_to_choice": "choices",
+             "doc_to_target": "gold", "metric_list": [{"metric": "acc"}]}))
+        task = ["--tasks", "choose", "--include-path", tmp_path, "--bootstrap-iters", "0"]
+    proc = cli("--ckpt", path, "--data", f"ppl:{docs}", *task, "--out", tmp_path / "o", "--log-samples", "--quiet",
                PYTHONPROFILEIMPORTTIME="1")  # a line on stderr for each module imported
     assert proc.returncode == 0, proc.stderr[-2000:]
     imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
