@@ -835,8 +835,8 @@ def let_torch_load() -> None:
     sys.modules (a hidden one too, which then fails). transformers keeps reading configs and
     tokenizers without it: it asks whether torch is there once (asked here, while hidden)."""
     if "torch" in sys.modules and sys.modules["torch"] is None:
-        from transformers.utils.import_utils import is_torch_available
-        is_torch_available()  # cached: False
+        import transformers
+        transformers.utils.is_torch_available()  # cached: False
         del sys.modules["torch"]
 
 
